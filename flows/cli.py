@@ -1,0 +1,155 @@
+"""``neuron-flows``: the command line.
+
+    neuron-flows run CONFIG [--set k=v ...]        the whole pipeline as a Prefect flow
+    neuron-flows train CONFIG [--set k=v ...]      tokenize + train only (torchrun, no Prefect)
+    neuron-flows validate PATH [--quick]           check a checkpoint
+    neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
+    neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _config(args):
+    from tasks.config import FinetuneConfig
+
+    return FinetuneConfig.load(args.config, args.set)
+
+
+def _preflight(config):
+    """Check the layout against the model's config before any data is touched (local models;
+    a Hub model is checked by the plan step once fetched)."""
+    from pathlib import Path
+
+    from neuron_parallel.plan import check_plan
+
+    if (Path(config.model.name_or_path) / "config.json").is_file():
+        check_plan(config.to_job(model_path=config.model.name_or_path, dataset_path=""))
+
+
+def cmd_run(args) -> int:
+    config = _config(args)
+    _preflight(config)
+    from flows.finetune import finetune
+
+    try:
+        result = finetune(config)
+    finally:
+        _stop_embedded_server()
+    print(f"run: {result['run_dir']}")
+    print(f"consolidated: {result['consolidated']}")
+    return 0
+
+
+def _stop_embedded_server() -> None:
+    """Stop Prefect's temporary local server now, rather than at interpreter exit, so that the
+    run's summary lines are the last thing printed. A configured PREFECT_API_URL is untouched."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer().stop()
+
+
+def cmd_train(args) -> int:
+    config = _config(args)
+    _preflight(config)
+    from neuron_parallel.data import tokenize_dataset
+    from neuron_parallel.launch import run_torchrun
+    from neuron_parallel.models.causal_lm import resolve_model_dir
+    from neuron_parallel.plan import check_plan
+
+    model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
+    ds = tokenize_dataset(
+        source=config.data.source,
+        tokenizer_dir=model_dir,
+        block_size=config.data.block_size,
+        cache_dir=config.data.cache_dir,
+        text_field=config.data.text_field,
+        split=config.data.split,
+    )
+    job = config.to_job(model_path=model_dir, dataset_path=ds.path)
+    check_plan(job)
+
+    def show(event: dict) -> None:
+        kind = event.pop("event")
+        if kind == "step":
+            print(f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
+                  f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s", flush=True)
+        else:
+            print(f"{kind}: {json.dumps(event)}", flush=True)
+
+    run_torchrun(job, config.to_launch(), on_event=show, on_line=lambda line: print(line, file=sys.stderr))
+    print(f"run: {config.output.dir}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from neuron_parallel.checkpoint import resolve_checkpoint, validate_checkpoint
+
+    problems = validate_checkpoint(args.path, quick=args.quick)
+    for p in problems:
+        print(p)
+    if problems:
+        return 1
+    print(f"ok: {resolve_checkpoint(args.path)}{' (sizes only)' if args.quick else ''}")
+    return 0
+
+
+def cmd_consolidate(args) -> int:
+    from neuron_parallel.checkpoint import consolidate_checkpoint
+
+    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size)
+    print(f"consolidated: {out}")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from neuron_parallel.tiny import make_tiny_world
+
+    paths = make_tiny_world(args.dir, seed=args.seed)
+    print(f"model: {paths['model']}\ncorpus: {paths['corpus']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neuron-flows", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, text in (
+        ("run", cmd_run, "run the whole pipeline as a Prefect flow"),
+        ("train", cmd_train, "tokenize and train only (torchrun, no Prefect)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("validate", help="check a checkpoint (run dir, checkpoint dir or shards/)")
+    p.add_argument("path")
+    p.add_argument("--quick", action="store_true", help="sizes only, no checksums or tensor reads")
+    p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("consolidate", help="write a Hugging Face model directory from a checkpoint")
+    p.add_argument("checkpoint", help="run dir (newest complete checkpoint), checkpoint dir, or its shards/")
+    p.add_argument("output")
+    p.add_argument("-f", "--format", choices=["safetensors", "pytorch"], default="safetensors")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.set_defaults(fn=cmd_consolidate)
+    p = sub.add_parser("make-tiny", help="build a tiny Llama, tokenizer and corpus with no network")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Sharded checkpoints: atomic save, resume on any topology, validation, consolidation."""
+
+from .consolidate import consolidate_checkpoint
+from .format import Manifest, is_complete, list_checkpoints, resolve_checkpoint
+from .save import save_checkpoint
+from .tensors import CheckpointTensors, HFWeights, local_view
+from .validate import validate_checkpoint
+
+__all__ = [
+    "CheckpointTensors",
+    "HFWeights",
+    "Manifest",
+    "consolidate_checkpoint",
+    "is_complete",
+    "list_checkpoints",
+    "local_view",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "validate_checkpoint",
+]

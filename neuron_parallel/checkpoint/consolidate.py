@@ -1,0 +1,132 @@
+"""Streaming consolidation: any sharded layout → one Hugging Face model directory.
+
+Tensors are assembled one at a time from memory-mapped pieces and appended to the output file,
+so peak memory stays near the largest tensor rather than the model. The safetensors package
+only writes whole dicts held in memory, which is exactly what streaming must avoid; the file
+format is a length-prefixed JSON header followed by raw little-endian bytes, so it is written
+here directly, with the header computed up front from the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from .format import HF_FILES, resolve_checkpoint
+from .tensors import CheckpointTensors, _numel, dtype_from_name
+from .validate import validate_checkpoint
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
+_VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` → bytes (decimal units as the Hugging Face tools use; ``GiB`` binary)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 500MB, 5GB or 2GiB")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(value * scale[unit])
+
+
+def _export_plan(tensors: CheckpointTensors) -> list[tuple[str, list[int], torch.dtype]]:
+    """(name, exported shape, dtype) of every model tensor, in manifest order; drops the tied
+    lm_head and strips rows a vocab-padded embedding added beyond the config's vocab_size."""
+    config = tensors.manifest.model_config
+    vocab = config.get("vocab_size")
+    plan = []
+    for name in tensors.names("model"):
+        entry = tensors.manifest.tensors[name]
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        shape = list(entry.shape)
+        if name in _VOCAB_PADDED and vocab and shape[0] > vocab:
+            shape[0] = vocab
+        plan.append((name, shape, dtype_from_name(entry.dtype)))
+    return plan
+
+
+def _write_safetensors(path: Path, items, tensors: CheckpointTensors) -> int:
+    header, offset = {}, 0
+    for name, shape, dtype in items:
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, _ in items:
+            t = tensors.read(name, [0] * len(shape), shape)
+            # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian).
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    return offset
+
+
+def consolidate_checkpoint(
+    path: str | Path,
+    output_dir: str | Path,
+    *,
+    fmt: str = "safetensors",
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """Write a Hugging Face model directory for the checkpoint at ``path`` (a run dir → its
+    newest complete checkpoint, a checkpoint dir, or its ``shards/`` folder). Refuses a
+    checkpoint that fails quick validation."""
+    ckpt = resolve_checkpoint(path)
+    problems = validate_checkpoint(ckpt, quick=True)
+    if problems:
+        raise ValueError(f"refusing to consolidate {ckpt}: " + "; ".join(problems))
+    if fmt not in ("safetensors", "pytorch"):
+        raise ValueError(f"format {fmt!r} is not one of ('safetensors', 'pytorch')")
+    limit = parse_size(max_shard_size)
+    tensors = CheckpointTensors(ckpt)
+    plan = _export_plan(tensors)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin")):
+        stale.unlink()
+
+    if fmt == "pytorch":
+        state = {name: tensors.read(name, [0] * len(shape), shape) for name, shape, _ in plan}
+        torch.save(state, out / "pytorch_model.bin")
+    else:
+        groups, cur, size = [], [], 0
+        for item in plan:
+            nbytes = _numel(item[1]) * torch.empty((), dtype=item[2]).element_size()
+            if cur and size + nbytes > limit:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(item)
+            size += nbytes
+        groups.append(cur)
+        if len(groups) == 1:
+            _write_safetensors(out / "model.safetensors", groups[0], tensors)
+        else:
+            weight_map, total = {}, 0
+            for i, group in enumerate(groups, 1):
+                fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+                total += _write_safetensors(out / fname, group, tensors)
+                weight_map.update({name: fname for name, _, _ in group})
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for name in HF_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)
+    return out

@@ -1,0 +1,152 @@
+"""The on-disk checkpoint format and how to find checkpoints in a run directory.
+
+```
+run_dir/checkpoint-<step>/
+  shards/tp_rank_XX_pp_rank_YY/model.safetensors        local model shards of that (tp, pp) rank
+  shards/tp_rank_XX_pp_rank_YY/optim/dp_rank_ZZ.safetensors   optimizer state held by that dp rank
+  config.json, generation_config.json, tokenizer files  copied from the model, so a checkpoint
+                                                        consolidates on its own
+  trainer_state.json   step, tokens seen, data position, LR schedule, seeds, last metrics
+  manifest.json        format version, parallel config, model config, every file (size, sha256),
+                       every tensor (HF name, global shape, dtype, the slice each file holds)
+  COMPLETE             written last; a checkpoint without it does not exist
+```
+
+Why our own writer rather than DCP's ``FileSystemWriter``: DCP's metadata file is a pickle, and
+a checkpoint must never need unpickling to be read; its file names cannot express the
+``tp_rank_XX_pp_rank_YY`` layout that neighbouring tools expect; and the manifest's per-file
+checksums and per-tensor slices are what validation, resharding and streaming consolidation all
+read. The data itself is plain safetensors, loadable by any tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_NAME = "neuron-flows-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+COMPLETE = "COMPLETE"
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def shard_dir(tp_rank: int, pp_rank: int) -> str:
+    return f"shards/tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}"
+
+
+def model_file(tp_rank: int, pp_rank: int) -> str:
+    return f"{shard_dir(tp_rank, pp_rank)}/model.safetensors"
+
+
+def optim_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"{shard_dir(tp_rank, pp_rank)}/optim/dp_rank_{dp_rank:02d}.safetensors"
+
+
+@dataclass(slots=True)
+class Piece:
+    """One rectangular slice of a global tensor stored under ``key`` in ``file``."""
+
+    file: str
+    key: str
+    offsets: list[int]
+    shape: list[int]
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    """A global tensor: its Hugging Face name (or optimizer-state name), shape, dtype, pieces."""
+
+    shape: list[int]
+    dtype: str
+    kind: str  # "model" or "optim"
+    pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Manifest:
+    step: int
+    parallel: dict[str, Any]
+    model_config: dict[str, Any]
+    files: dict[str, dict[str, Any]]
+    tensors: dict[str, TensorEntry]
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def load(cls, ckpt_dir: str | Path) -> "Manifest":
+        path = Path(ckpt_dir) / MANIFEST
+        raw = json.loads(path.read_text())
+        if raw.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path} is not a {FORMAT_NAME} manifest (format={raw.get('format')!r})")
+        if raw.get("format_version", 0) > FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has format_version {raw['format_version']}, newer than this release reads "
+                f"({FORMAT_VERSION}); upgrade neuron-flows"
+            )
+        tensors = {
+            name: TensorEntry(
+                shape=t["shape"], dtype=t["dtype"], kind=t["kind"], pieces=[Piece(**p) for p in t["pieces"]]
+            )
+            for name, t in raw["tensors"].items()
+        }
+        return cls(
+            step=raw["step"],
+            parallel=raw["parallel"],
+            model_config=raw["model_config"],
+            files=raw["files"],
+            tensors=tensors,
+            format=raw["format"],
+            format_version=raw["format_version"],
+        )
+
+
+def checkpoint_step(path: Path) -> int | None:
+    m = _CKPT_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every ``checkpoint-<step>`` folder in ``run_dir``, oldest first (complete or not)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in run.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def is_complete(ckpt_dir: Path) -> bool:
+    return (ckpt_dir / COMPLETE).is_file() and (ckpt_dir / MANIFEST).is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a run dir (newest complete checkpoint), a checkpoint dir, or its ``shards/`` folder."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p} does not exist")
+    if p.name == "shards":
+        p = p.parent
+    if (p / MANIFEST).exists() or checkpoint_step(p) is not None:
+        return p
+    complete = [c for c in list_checkpoints(p) if is_complete(c)]
+    if not complete:
+        raise ValueError(f"{p} holds no complete checkpoint-<step> folder (with {MANIFEST} and {COMPLETE})")
+    return complete[-1]

@@ -1,0 +1,107 @@
+"""Checkpoint validation: every problem found, one line each, naming the file and the fault."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .format import COMPLETE, MANIFEST, Manifest, resolve_checkpoint
+from .save import sha256_file
+from .tensors import _numel
+
+
+def validate_checkpoint(path: str | Path, *, quick: bool = False) -> list[str]:
+    """Problems with the checkpoint at ``path`` (a run dir, checkpoint dir or its shards/);
+    an empty list means valid.
+
+    Always: COMPLETE and manifest present, every file named exists with the right size, every
+    tensor's pieces lie inside its global shape and cover it exactly once. Unless ``quick``:
+    sha256 of every file, each piece's stored shape and dtype, and no NaN/Inf in any tensor.
+    """
+    try:
+        ckpt = resolve_checkpoint(path)
+    except ValueError as e:
+        return [str(e)]
+    problems: list[str] = []
+    if not (ckpt / COMPLETE).is_file():
+        problems.append(f"{ckpt / COMPLETE}: missing (the save did not finish)")
+    try:
+        manifest = Manifest.load(ckpt)
+    except FileNotFoundError:
+        return problems + [f"{ckpt / MANIFEST}: missing"]
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        return problems + [f"{ckpt / MANIFEST}: unreadable ({e})"]
+
+    bad_files: set[str] = set()
+    for rel, info in manifest.files.items():
+        f = ckpt / rel
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+            bad_files.add(rel)
+            continue
+        size = f.stat().st_size
+        if size != info["size"]:
+            problems.append(f"{f}: size {size} bytes, manifest says {info['size']} (truncated or overwritten)")
+            bad_files.add(rel)
+        elif not quick and sha256_file(f) != info["sha256"]:
+            problems.append(f"{f}: sha256 mismatch (content changed since it was written)")
+            bad_files.add(rel)
+
+    for name, entry in manifest.tensors.items():
+        total = 0
+        for p in entry.pieces:
+            if p.file not in manifest.files:
+                problems.append(f"{ckpt / p.file}: holds {name} but is not listed in the manifest's files")
+            if len(p.offsets) != len(entry.shape) or any(
+                o < 0 or o + n > g for o, n, g in zip(p.offsets, p.shape, entry.shape)
+            ):
+                problems.append(f"{ckpt / p.file}: {name} slice {p.offsets}+{p.shape} lies outside {entry.shape}")
+            total += _numel(p.shape)
+        if total != _numel(entry.shape) or _pieces_overlap(entry.pieces):
+            problems.append(
+                f"{name}: pieces cover {total} elements of {_numel(entry.shape)} "
+                f"(global shape {entry.shape}); every element must be covered exactly once"
+            )
+    if quick:
+        return problems
+    problems += _check_contents(ckpt, manifest, bad_files)
+    return problems
+
+
+def _pieces_overlap(pieces) -> bool:
+    for i, a in enumerate(pieces):
+        for b in pieces[i + 1 :]:
+            if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                return True
+    return False
+
+
+def _check_contents(ckpt: Path, manifest: Manifest, bad_files: set[str]) -> list[str]:
+    problems = []
+    by_file: dict[str, list] = {}
+    for name, entry in manifest.tensors.items():
+        for p in entry.pieces:
+            by_file.setdefault(p.file, []).append((name, entry, p))
+    for rel, items in sorted(by_file.items()):
+        if rel in bad_files or not (ckpt / rel).is_file():
+            continue
+        try:
+            with safe_open(str(ckpt / rel), framework="pt") as f:
+                keys = set(f.keys())
+                for name, entry, p in items:
+                    if p.key not in keys:
+                        problems.append(f"{ckpt / rel}: tensor {p.key} missing")
+                        continue
+                    t = f.get_tensor(p.key)
+                    if list(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != entry.dtype:
+                        problems.append(
+                            f"{ckpt / rel}: {p.key} is {list(t.shape)} {t.dtype}, manifest says {p.shape} {entry.dtype}"
+                        )
+                    elif t.is_floating_point() and not torch.isfinite(t).all():
+                        problems.append(f"{ckpt / rel}: {p.key} contains NaN or Inf")
+        except Exception as e:  # a corrupt header is a finding, not a crash
+            problems.append(f"{ckpt / rel}: unreadable safetensors ({e})")
+    return problems

@@ -1,0 +1,231 @@
+"""Publish a fine-tuned model directory to a Hugging Face Hub: model card, then one atomic commit.
+
+Xet and non-Hub endpoints (what huggingface_hub 2.4.0 does, read from its source):
+
+* Whether an upload goes through Xet is decided on the client only. ``utils._runtime.is_xet_available()``
+  returns ``not constants.HF_HUB_DISABLE_XET and <hf_xet is importable>``; ``upload_folder`` then takes
+  the Xet pipeline and ``create_commit`` uploads through ``_upload_xet_files``, which first asks the
+  server for ``/api/{type}s/{repo}/xet-write-token/{rev}``. A server without Xet answers 404 there and
+  the upload fails: there is no fallback to LFS.
+* Nothing per call changes that: no argument of ``HfApi``/``create_commit``/``upload_folder``, no header,
+  and nothing in the server's answers (the preupload response only says "lfs" or "regular"; the LFS
+  batch request advertises only "basic"/"multipart"). Older releases let the server decide (repo
+  ``xetEnabled``, later the LFS batch ``transfer``); 2.4.0 no longer asks (huggingface_hub#4507, #4786).
+* The one documented switch is the ``HF_HUB_DISABLE_XET`` environment variable, read once, when
+  ``huggingface_hub.constants`` is imported; setting it later has no effect. ``is_xet_available()``
+  however reads the ``constants.HF_HUB_DISABLE_XET`` attribute at every call, so assigning that
+  attribute does take effect at run time. ``upload_model`` does exactly that, for the duration of an
+  upload to an endpoint other than the public Hub (see ``_xet_off_unless_public_hub``).
+* Downloads need nothing: they use Xet only when the server advertises it per file (``X-Xet-Hash``
+  header, ``xetHash`` in tree entries), so a server that does not speak Xet gets plain HTTP GETs.
+
+Also found: with Xet on, ``upload_folder`` streams the folder through a pipeline that may split it into
+several commits (about 250 files per batch to start with, 100 MiB of non-LFS content, or a batch
+open for 5 minutes), so a half-published model could appear on ``main``. ``upload_model`` therefore builds
+the operations itself and calls ``create_commit`` once, which is atomic with either transport.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+__all__ = ["HubCommit", "upload_model", "write_model_card"]
+
+# Endpoints that speak Xet. Any other endpoint (a self-hosted Hub, a test server) gets plain LFS uploads.
+_XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
+# What upload_folder skips by default: git metadata, and the bookkeeping hf_hub_download(local_dir=...) writes.
+_SKIPPED_DIRS = (".git",)
+_SKIPPED_PREFIXES = (".cache/huggingface/",)
+
+
+@dataclass(frozen=True)
+class HubCommit:
+    """The commit an upload created."""
+
+    repo_id: str
+    revision: str
+    """The commit oid returned by the server; pass it as ``revision=`` to pin downloads."""
+    url: str
+    """The commit's URL on the server."""
+
+
+def write_model_card(
+    model_dir: str | Path,
+    *,
+    repo_id: str | None,
+    base_model: str,
+    datasets: list[str],
+    summary: dict[str, object],
+) -> Path:
+    """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a short description.
+
+    The metadata says ``library_name: transformers`` and carries the ``neuron-flows`` tag; ``base_model``
+    and ``datasets`` are listed only when they are Hub repo ids, because the Hub rejects cards whose
+    ``base_model`` is not a repo and a local path means nothing to a reader. The body names the base
+    model and data, tabulates ``summary`` (e.g. steps, final loss, parallel layout) and shows how to
+    load the model from ``repo_id`` (or from ``model_dir`` when there is no repo id yet).
+
+    Returns the path of the card. Raises ``ValueError`` if ``model_dir`` is missing or has no
+    ``config.json``.
+    """
+    model_dir = _check_model_dir(model_dir)
+    hub_base = base_model if _is_hub_repo_id(base_model) else None
+    hub_datasets = [name for name in datasets if _is_hub_repo_id(name)]
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["neuron-flows", "fine-tuned"],
+        base_model=hub_base,
+        datasets=hub_datasets or None,
+    )
+    reference = repo_id or str(model_dir.resolve())
+    title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
+    body = _card_body(title, reference, base_model, datasets, summary, model_dir)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+    path = model_dir / "README.md"
+    card.save(path)
+    return path
+
+
+def upload_model(
+    model_dir: str | Path,
+    *,
+    repo_id: str,
+    endpoint: str | None = None,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload fine-tuned model",
+) -> HubCommit:
+    """Create ``repo_id`` if needed and upload every file of ``model_dir`` to its ``main`` in one commit.
+
+    ``endpoint`` defaults to ``HF_ENDPOINT`` (the public Hub); ``token`` to the locally saved login.
+    ``private`` applies only when the repo is created; an existing repo keeps its visibility.
+    Files under ``.git/`` and ``.cache/huggingface/`` are skipped, as ``upload_folder`` does;
+    files unchanged on the server are left out of the commit by huggingface_hub.
+
+    For an endpoint other than the public Hub, Xet is switched off for the duration of the call and
+    large files go through git-LFS, which every Hub-compatible server implements; huggingface_hub offers
+    no per-call option for this (see the module docstring). While such an upload runs, Xet is off for
+    the whole process, so a concurrent public-Hub transfer in another thread uses plain HTTP/LFS too
+    (slower, still correct). Setting ``HF_HUB_DISABLE_XET=1`` before huggingface_hub is imported is
+    the library's documented, process-wide alternative.
+
+    Raises ``ValueError`` (before any network call) if ``model_dir`` is missing or has no
+    ``config.json``, and ``huggingface_hub.errors.HfHubHTTPError`` (or a subclass) on HTTP errors,
+    e.g. 401 without a valid token.
+    """
+    model_dir = _check_model_dir(model_dir)
+    operations = [
+        CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=local_path)
+        for path_in_repo, local_path in _model_files(model_dir)
+    ]
+    api = HfApi(endpoint=endpoint, token=token)
+    with _xet_off_unless_public_hub(api.endpoint):
+        repo_url = api.create_repo(repo_id, exist_ok=True, private=private)
+        info = api.create_commit(repo_url.repo_id, operations=operations, commit_message=commit_message)
+    return HubCommit(repo_id=repo_url.repo_id, revision=info.oid, url=info.commit_url)
+
+
+def _check_model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path} does not exist (or is not a directory)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json; save the model with save_pretrained first")
+    return path
+
+
+def _is_hub_repo_id(name: str) -> bool:
+    """True for ``name`` / ``org/name`` that is not also an existing local path."""
+    if Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)  # rejects absolute paths, './x', 'a/b/c', ...
+    except HFValidationError:
+        return False
+    return True
+
+
+def _model_files(model_dir: Path) -> Iterator[tuple[str, Path]]:
+    """(path in repo, local path) for every file to upload, sorted for a reproducible commit."""
+    for dirpath, dirnames, filenames in os.walk(model_dir):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
+        for filename in sorted(filenames):
+            local = Path(dirpath) / filename
+            path_in_repo = local.relative_to(model_dir).as_posix()
+            if not path_in_repo.startswith(_SKIPPED_PREFIXES):
+                yield path_in_repo, local
+
+
+def _md_cell(value: object) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _card_body(
+    title: str, reference: str, base_model: str, datasets: list[str], summary: dict[str, object], model_dir: Path
+) -> str:
+    def describe(name: str, kind: str, url_prefix: str) -> str:
+        # Link Hub ids; of a local path show only the last component (the rest is this machine's layout).
+        if _is_hub_repo_id(name):
+            return f"[{name}](https://huggingface.co/{url_prefix}{name})"
+        return f"a local {kind} (`{Path(name).name}`)"
+
+    data = ", ".join(describe(name, "dataset", "datasets/") for name in datasets)
+    lines = [
+        f"# {title}",
+        "",
+        f"A causal language model fine-tuned from {describe(base_model, 'checkpoint', '')} with neuron-flows",
+        f"on {data}." if datasets else "(training data not recorded).",
+        "",
+    ]
+    if summary:
+        lines += ["## Training summary", "", "| Item | Value |", "| --- | --- |"]
+        lines += [f"| {_md_cell(key)} | {_md_cell(value)} |" for key, value in summary.items()]
+        lines.append("")
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    lines += ["## Usage", "", "```python"]
+    lines.append("from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if has_tokenizer else ""))
+    quoted = json.dumps(reference)  # a valid Python string literal, whatever the path contains
+    lines += ["", f"model = AutoModelForCausalLM.from_pretrained({quoted})"]
+    if has_tokenizer:
+        lines.append(f"tokenizer = AutoTokenizer.from_pretrained({quoted})")
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+# A refcount rather than a plain lock, so that overlapping uploads to non-Xet endpoints run concurrently
+# and the original value comes back only when the last of them ends.
+_xet_lock = threading.Lock()
+_xet_holders = 0
+_xet_saved = False
+
+
+@contextmanager
+def _xet_off_unless_public_hub(endpoint: str) -> Iterator[None]:
+    """Set ``constants.HF_HUB_DISABLE_XET`` for the duration of the block unless ``endpoint`` speaks Xet."""
+    global _xet_holders, _xet_saved
+    if endpoint.rstrip("/") in _XET_ENDPOINTS:
+        yield
+        return
+    with _xet_lock:
+        if _xet_holders == 0:
+            _xet_saved = constants.HF_HUB_DISABLE_XET
+            constants.HF_HUB_DISABLE_XET = True
+        _xet_holders += 1
+    try:
+        yield
+    finally:
+        with _xet_lock:
+            _xet_holders -= 1
+            if _xet_holders == 0:
+                constants.HF_HUB_DISABLE_XET = _xet_saved

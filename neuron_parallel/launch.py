@@ -1,0 +1,111 @@
+"""Start training as a supervised torchrun process tree.
+
+torchrun runs in its own process group (session), so cancelling the caller, a Ctrl-C or an
+exception ends every rank: the group is signalled in a ``finally``, SIGTERM first, SIGKILL after
+a grace period. Structured lines from rank 0 (``train.EVENT_PREFIX``) become events for the
+caller; everything else is passed through as log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import JobConfig, LaunchConfig
+from .train import EVENT_PREFIX
+
+
+class TrainingFailed(RuntimeError):
+    """torchrun exited non-zero; the message carries the last lines it printed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    run_dir: str
+    final_step: int
+    resumed_from_step: int
+    last_metrics: dict
+
+
+def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
+    """The torchrun command line: standalone on one node, c10d rendezvous across several."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}"]
+    if launch.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={launch.nnodes}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={launch.rdzv_endpoint}",
+            f"--rdzv_id={launch.rdzv_id}",
+        ]
+    return cmd + ["-m", "neuron_parallel.train", str(job_path)]
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_torchrun(
+    job: JobConfig,
+    launch: LaunchConfig,
+    *,
+    on_event: Callable[[dict], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> TrainResult:
+    """Write ``job.json`` into the run directory, run torchrun to completion and return what
+    the run reports. Raises ``TrainingFailed`` on a non-zero exit."""
+    run_dir = Path(job.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_path = run_dir / "job.json"
+    job_path.write_text(job.to_json())
+    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(launch.omp_num_threads), "PYTHONUNBUFFERED": "1"}
+    cmd = torchrun_command(job_path, launch)
+    tail: deque[str] = deque(maxlen=40)
+    state = {"final_step": 0, "resumed_from_step": 0, "last_metrics": {}}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(EVENT_PREFIX):
+                event = json.loads(line[len(EVENT_PREFIX) :])
+                if event["event"] == "step":
+                    state["final_step"] = event["step"]
+                    state["last_metrics"] = event
+                elif event["event"] == "resumed":
+                    state["resumed_from_step"] = event["step"]
+                    state["final_step"] = event["step"]
+                if on_event:
+                    on_event(event)
+            else:
+                tail.append(line)
+                if on_line:
+                    on_line(line)
+        code = proc.wait()
+    finally:
+        _kill_group(proc)
+    if code != 0:
+        raise TrainingFailed(f"torchrun exited with code {code}; last output:\n" + "\n".join(tail))
+    return TrainResult(run_dir=str(run_dir), **state)

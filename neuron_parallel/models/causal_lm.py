@@ -1,0 +1,150 @@
+"""Hugging Face decoder-only models (Llama, Qwen2, Qwen3, Mistral) as pipeline stages.
+
+A stage holds a contiguous range of decoder layers, plus the embedding on the first stage and
+the final norm and lm_head on the last. Parameter names stay the Hugging Face ones
+(``model.layers.<i>.…`` with the original layer index), so the shards of every stage merge into
+one Hugging Face state dict and load from one. Models are built on the meta device and
+materialised only after they have been split and sharded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def resolve_model_dir(name_or_path: str, revision: str | None = None) -> str:
+    """A local directory for the model: the path itself, or a Hub snapshot of the files
+    training needs (config, safetensors weights, tokenizer), fetched once into the HF cache."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"model.name_or_path {local} has no config.json; point it at a Hugging Face model directory")
+        return str(local)
+    if local.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        raise ValueError(f"model.name_or_path {name_or_path} does not exist; for a new tiny model run `neuron-flows make-tiny DIR`")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
+
+
+def load_config(model_dir: str | Path):
+    """The model's ``PretrainedConfig``, refusing architectures the stage code does not know."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} in {model_dir} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def build_meta_model(config) -> nn.Module:
+    """The full Hugging Face causal LM on the meta device: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None = None) -> list[range]:
+    """Layer ranges per stage: the user's split, or as even as possible (earlier stages get the
+    extra layers, since the last stage also carries the norm, lm_head and loss)."""
+    if layer_split is not None:
+        if sum(layer_split) != num_layers or any(n < 1 for n in layer_split):
+            raise ValueError(
+                f"parallel.layer_split={layer_split} must be {num_stages} positive counts summing to the "
+                f"model's {num_layers} layers"
+            )
+        counts = list(layer_split)
+    else:
+        if num_stages > num_layers:
+            raise ValueError(
+                f"{num_stages} pipeline stages (pp × virtual_stages) exceed the model's {num_layers} layers; "
+                f"use pp × virtual_stages <= {num_layers}"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+class CausalLMStage(nn.Module):
+    """Layers ``layer_ids`` of a Hugging Face causal LM, with its Hugging Face parameter names.
+
+    ``forward`` takes token ids on the first stage and hidden states elsewhere, and returns
+    logits on the last stage and hidden states elsewhere. Rotary positions are computed for the
+    full sequence length ``seq_len`` (set per batch), since under sequence parallelism the
+    hidden states a layer sees hold only part of the sequence.
+    """
+
+    def __init__(self, full: nn.Module, layer_ids: range, *, first: bool, last: bool, recompute_every: int = 0):
+        super().__init__()
+        self.config = full.config
+        self.model = nn.Module()
+        self.model.embed_tokens = full.model.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in layer_ids})
+        self.model.norm = full.model.norm if last else None
+        self.model.rotary_emb = full.model.rotary_emb
+        self.lm_head = full.lm_head if last else None
+        self.first, self.last = first, last
+        self.recompute_every = recompute_every
+        self.seq_len = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.first else x
+        if not self.seq_len:
+            raise RuntimeError("set stage.seq_len to the global sequence length before the forward pass")
+        local = h.to_local() if hasattr(h, "to_local") else h
+        positions = torch.arange(self.seq_len, device=local.device).unsqueeze(0)
+        rope = self.model.rotary_emb(local, positions)
+        for i, layer in enumerate(self.model.layers.values()):
+            if self.training and self.recompute_every and i % self.recompute_every == 0:
+                h = checkpoint(layer, h, None, positions, None, False, rope, use_reentrant=False)
+            else:
+                h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        if self.last:
+            h = self.lm_head(self.model.norm(h))
+        return h
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every position, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def materialize(stage: CausalLMStage, device: torch.device) -> None:
+    """Allocate the (possibly sharded) meta parameters on ``device``; rebuild the rotary buffers,
+    which are computed at construction and so hold nothing after ``to_empty``."""
+    stage.to_empty(device=device)
+    rotary = stage.model.rotary_emb
+    stage.model.rotary_emb = type(rotary)(config=stage.config).to(device)
+
+
+def load_weights(stage: nn.Module, source, *, tied: bool) -> None:
+    """Copy every parameter's local slice from ``source`` (``HFWeights`` or
+    ``CheckpointTensors``), reading only the slice each rank holds."""
+    from ..checkpoint.tensors import local_view
+
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            local, gshape, offsets = local_view(param)
+            key = name
+            if name == "lm_head.weight" and tied and name not in source:
+                key = "model.embed_tokens.weight"
+            if key not in source:
+                raise ValueError(f"{getattr(source, 'root', source)} has no tensor {key}")
+            local.copy_(source.read(key, offsets, list(local.shape)))

@@ -1,0 +1,159 @@
+"""The training entry point torchrun starts in every rank.
+
+    torchrun --nproc_per_node N -m neuron_parallel.train RUN_DIR/job.json
+
+Resumes from the newest complete checkpoint in the run directory (or ``resume_from``), trains
+to ``train.max_steps``, writes ``metrics.jsonl`` (rank 0, one object per optimizer step) and
+checkpoints every ``train.save_every`` steps. Progress goes to stdout as one JSON object per
+line prefixed with ``EVENT_PREFIX``, which the launcher turns into progress events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointTensors, save_checkpoint
+from .checkpoint.resume import find_resume_checkpoint
+from .config import JobConfig
+from .data import BlockStream
+from .engine import build_engine
+from .mesh import ParallelDims, init_distributed, local_device
+from .optim import lr_at
+
+EVENT_PREFIX = "@@neuron-flows "
+FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
+
+
+def emit(event: str, **fields) -> None:
+    """A structured progress line on stdout (rank 0 only)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines past the resumed step, so metrics.jsonl reads as one uninterrupted run."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def run_training(job: JobConfig) -> None:
+    init_distributed(job.device)
+    device = local_device(job.device)
+    pc = job.parallel
+    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+    coords = dims.coordinates()
+    rank = dist.get_rank()
+    run_dir = Path(job.output_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    torch.manual_seed(job.train.seed)
+
+    stream = BlockStream(job.dataset_path, seed=job.train.seed)
+    engine = build_engine(job, dims, device)
+
+    start_step = 0
+    ckpt, skipped = find_resume_checkpoint(run_dir, job.resume_from) if rank == 0 else (None, [])
+    shared = [str(ckpt) if ckpt else None, skipped]
+    dist.broadcast_object_list(shared, src=0)
+    for why in shared[1]:
+        emit("warning", message=why)
+    if shared[0]:
+        tensors = CheckpointTensors(shared[0])
+        start_step = tensors.manifest.step
+        engine.load_checkpoint(tensors, start_step)
+        emit("resumed", step=start_step, checkpoint=shared[0])
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_path, start_step)
+    emit("start", step=start_step, max_steps=job.train.max_steps, world_size=dims.world_size, **_layout(job))
+
+    tc = job.train
+    G = job.global_batch_size
+    mbs, dp_rank = tc.micro_batch_size, coords["dp_rank"]
+    tokens_per_step = G * job.block_size
+    fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
+    t_start = time.perf_counter()
+    for step in range(start_step + 1, tc.max_steps + 1):
+        t0 = time.perf_counter()
+        torch.manual_seed(tc.seed * 100_003 + step)
+        base = (step - 1) * G
+        loss_sum = torch.zeros((), device=device)
+        for a in range(tc.grad_accum):
+            inputs, labels = stream.batch(base + a * mbs * pc.dp + dp_rank * mbs, mbs)
+            loss_sum += engine.forward_backward(inputs, labels, 1.0 / tc.grad_accum)
+        grad_norm = engine.reduce_and_clip()
+        lr = lr_at(step, tc)
+        engine.optimizer_step(lr)
+        loss = loss_sum / tc.grad_accum
+        dist.all_reduce(loss, group=dims.mesh["dp"].get_group())
+        loss = loss.item() / pc.dp
+        dt = time.perf_counter() - t0
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_step / dt,
+            "tokens_seen": step * tokens_per_step,
+            "step_time_s": dt,
+            "elapsed_s": time.perf_counter() - t_start,
+        }
+        if rank == 0:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if step % tc.log_every == 0 or step == tc.max_steps:
+            emit("step", max_steps=tc.max_steps, **record)
+        if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
+            path = save_checkpoint(
+                run_dir,
+                step,
+                model=engine.model_tensors(),
+                optim=engine.optim_tensors() if dp_rank == 0 else {},
+                coords=coords,
+                parallel=pc,
+                model_dir=job.model_path,
+                trainer_state={
+                    "step": step,
+                    "tokens_seen": step * tokens_per_step,
+                    "samples_seen": step * G,
+                    "global_batch_size": G,
+                    "lr": lr,
+                    "lr_schedule": {k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")},
+                    "seed": tc.seed,
+                    "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
+                    "metrics": record,
+                },
+                keep=tc.keep_checkpoints,
+            )
+            emit("checkpoint", step=step, path=str(path))
+            if fail_after and step >= fail_after:
+                emit("failure_injected", step=step)
+                dist.barrier()
+                os._exit(3)
+    emit("done", step=tc.max_steps, run_dir=str(run_dir))
+    dist.destroy_process_group()
+
+
+def _layout(job: JobConfig) -> dict:
+    pc = job.parallel
+    return {"dp": pc.dp, "tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, "global_batch_size": job.global_batch_size}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m neuron_parallel.train RUN_DIR/job.json")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run_training(JobConfig.load(argv[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Run distributed training as a torchrun subprocess tree."""
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from neuron_parallel.data import TokenizedDataset
+from neuron_parallel.launch import TrainResult, run_torchrun
+from neuron_parallel.models.causal_lm import resolve_model_dir
+from neuron_parallel.plan import Plan
+
+from .common import STEP_POLICY
+from .config import FinetuneConfig
+
+
+@task(name="train", **STEP_POLICY)
+def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> TrainResult:
+    """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
+    log = get_run_logger()
+    model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
+    job = config.to_job(model_path=model_dir, dataset_path=dataset.path)
+    job.parallel = plan.parallel
+    progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
+
+    def on_event(event: dict) -> None:
+        kind = event["event"]
+        if kind == "step":
+            update_progress_artifact(progress, progress=100.0 * event["step"] / event["max_steps"])
+            log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", event["step"], event["max_steps"],
+                     event["loss"], event["lr"], event["tokens_per_s"])
+        elif kind == "resumed":
+            log.info("resumed from step %d (%s)", event["step"], event["checkpoint"])
+        elif kind in ("checkpoint", "warning", "start"):
+            log.info("%s: %s", kind, {k: v for k, v in event.items() if k != "event"})
+
+    return run_torchrun(job, config.to_launch(), on_event=on_event, on_line=log.debug)
