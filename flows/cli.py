@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -34,6 +35,9 @@ def _preflight(config):
 def cmd_run(args) -> int:
     config = _config(args)
     _preflight(config)
+    # The embedded server migrates its SQLite database on first start; on a busy 2-core machine
+    # that can take longer than Prefect's default 20 s wait.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from flows.finetune import finetune
 
     try:

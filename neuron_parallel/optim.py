@@ -76,23 +76,28 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group, world: int, bucket
             offset += g.numel()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, *, pp_group=None, norm_params: list | None = None
+) -> torch.Tensor:
     """Clip by the true global norm: DTensor norms reduce over their tensor-parallel shards, and
-    the squared sums of the pipeline stages are added across ``pp_group``. Returns the norm
-    before clipping. ``max_norm <= 0`` only measures."""
-    sq = torch.zeros((), dtype=torch.float32, device=next(iter(params)).device)
-    for p in params:
+    the squared sums of the pipeline stages are added across ``pp_group``. ``norm_params`` (default
+    ``params``) are the ones counted, so a weight held twice is counted once. Returns the norm
+    before clipping; ``max_norm <= 0`` only measures."""
+    counted = params if norm_params is None else norm_params
+    sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    for p in counted:
         if p.grad is None:
             continue
         n = torch.linalg.vector_norm(p.grad.float())
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        sq += n * n
+        sq += n.to(sq.device) ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
+    total = norm.item()
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)

@@ -116,7 +116,7 @@ def run_training(job: JobConfig) -> None:
                 run_dir,
                 step,
                 model=engine.model_tensors(),
-                optim=engine.optim_tensors() if dp_rank == 0 else {},
+                optim=engine.optim_tensors(dp_rank),
                 coords=coords,
                 parallel=pc,
                 model_dir=job.model_path,

@@ -96,8 +96,9 @@ def save_checkpoint(
     """Save this rank's part of checkpoint ``step``; returns the final folder on every rank.
 
     ``model`` maps Hugging Face names to this rank's parameters (DTensor or plain); it is stored
-    by dp rank 0 only. ``optim`` maps ``<name>.<state>`` to optimizer tensors this dp rank must
-    store (all of them on dp rank 0 without ZeRO-1; its own partition with ZeRO-1).
+    by dp rank 0 only. ``optim`` maps ``<name>.<state>`` to the optimizer tensors this dp rank
+    stores (everything on dp rank 0 without ZeRO-1, its own partition with ZeRO-1). Tensors
+    replicated over tensor-parallel ranks are stored once.
     """
     run = Path(run_dir)
     final = run / f"checkpoint-{step}"

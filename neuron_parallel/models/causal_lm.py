@@ -127,9 +127,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(stage: CausalLMStage, device: torch.device) -> None:
-    """Allocate the (possibly sharded) meta parameters on ``device``; rebuild the rotary buffers,
-    which are computed at construction and so hold nothing after ``to_empty``."""
+    """Allocate the (possibly sharded) meta parameters on ``device``, keeping a tied embedding
+    and lm_head one parameter (``to_empty`` allocates each module's tensors separately), and
+    rebuild the rotary buffers, which are computed at construction."""
+    tied = stage.lm_head is not None and stage.model.embed_tokens is not None and (
+        stage.lm_head.weight is stage.model.embed_tokens.weight
+    )
     stage.to_empty(device=device)
+    if tied:
+        stage.lm_head.weight = stage.model.embed_tokens.weight
     rotary = stage.model.rotary_emb
     stage.model.rotary_emb = type(rotary)(config=stage.config).to(device)
 

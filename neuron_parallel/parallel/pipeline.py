@@ -1,0 +1,268 @@
+"""Pipeline parallelism: which stages a rank holds, building them, and running a schedule.
+
+The model is cut into ``pp × virtual_stages`` stages of consecutive decoder layers
+(:func:`neuron_parallel.models.causal_lm.split_layers`). Stage ``s`` lives on pp rank:
+
+* ``gpipe`` / ``1f1b``: ``s`` (one stage per rank);
+* ``interleaved_1f1b``: ``s % pp`` ("loop" placement: rank r holds r, r+pp, r+2pp, …);
+* ``zbv``: rank r holds r and ``2·pp−1−r`` ("V" placement, so rank 0 holds the first *and*
+  the last stage).
+
+:class:`PipelineRunner` wraps ``torch.distributed.pipelining`` (manual ``PipelineStage`` plus a
+schedule) around stage modules that are already materialised, loaded and, if asked, sharded by
+tensor parallelism: ``PipelineStage`` must see the final modules. Everything here uses only
+point-to-point ops and all-reduce on the pp process group, so it runs unchanged on gloo, nccl
+and the neuron backend.
+
+Per rank, in order: ``build_stages`` → TP plan → ``materialize`` + ``load_weights`` → ``train()``
+→ ``PipelineRunner`` → per optimizer step, ``step`` once per accumulation micro-batch (every pp
+rank calls it), ``sum_tied_embedding_grads`` if the embeddings are tied, dp reduction, optimizer.
+Activations crossing stages should be plain tensors (TP layers with local outputs); logits and
+loss may be DTensors. torch requires ``num_microbatches >= pp`` for 1f1b.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from ..models.causal_lm import CausalLMStage, split_layers
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """Global stage indices held by pp rank ``pp_rank``, in pipeline order. No communication."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {tuple(SCHEDULES)}")
+    if pp < 1 or not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} must lie in [0, pp={pp})")
+    if schedule not in MULTI_STAGE_SCHEDULES:
+        if virtual_stages != 1:
+            raise ValueError(f"schedule {schedule} holds one stage per rank; got virtual_stages={virtual_stages}")
+        return [pp_rank]
+    if schedule == "interleaved_1f1b":
+        if virtual_stages < 2:
+            raise ValueError(f"interleaved_1f1b needs virtual_stages >= 2, got {virtual_stages}; use 1f1b")
+        return [pp_rank + v * pp for v in range(virtual_stages)]
+    if virtual_stages != 2:
+        raise ValueError(f"zbv uses exactly 2 virtual stages per rank, got {virtual_stages}")
+    return [pp_rank, 2 * pp - 1 - pp_rank]
+
+
+def build_stages(
+    full_meta_model: nn.Module,
+    config,
+    *,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int,
+    schedule: str,
+    layer_split: list[int] | None = None,
+    recompute_every: int = 0,
+) -> list[CausalLMStage]:
+    """This rank's stage modules, still on the meta device, in the order of
+    :func:`stage_ids_for_rank`. ``config`` is the Hugging Face model config. No communication.
+
+    Materialise (and shard) them before handing them to :class:`PipelineRunner`."""
+    num_stages = pp * virtual_stages
+    ranges = split_layers(config.num_hidden_layers, num_stages, layer_split)
+    return [
+        CausalLMStage(
+            full_meta_model,
+            ranges[sid],
+            first=sid == 0,
+            last=sid == num_stages - 1,
+            recompute_every=recompute_every,
+        )
+        for sid in stage_ids_for_rank(pp_rank, pp, virtual_stages, schedule)
+    ]
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor loss (loss_parallel) as an ordinary tensor; plain tensors pass through."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class PipelineRunner:
+    """Wraps torch.distributed.pipelining PipelineStage(s) + schedule for this rank.
+
+    ``stages`` are this rank's built modules (materialised, weights loaded, possibly TP-sharded)
+    and ``stage_ids`` their global indices. ``loss_fn(logits, labels)`` returns the mean loss of
+    one microbatch. ``loss_scale`` (an attribute, settable between calls) multiplies the loss
+    used for backward, e.g. ``1 / grad_accum`` when several ``step`` calls make one optimizer step.
+    """
+
+    def __init__(
+        self,
+        stages: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        *,
+        pp_group: dist.ProcessGroup | None,
+        device: torch.device,
+        schedule: str,
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_scale: float = 1.0,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {schedule!r} is not one of {tuple(SCHEDULES)}")
+        if len(stages) != len(stage_ids) or not stages:
+            raise ValueError(f"got {len(stages)} stage modules for stage ids {stage_ids}")
+        if (len(stages) > 1) != (schedule in MULTI_STAGE_SCHEDULES):
+            raise ValueError(f"schedule {schedule} cannot run {len(stages)} stage(s) per rank")
+        self.modules = list(stages)
+        self.stage_ids = list(stage_ids)
+        self.num_stages = num_stages
+        self.pp_group = pp_group
+        self.device = torch.device(device)
+        self.num_microbatches = num_microbatches
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        self.has_first = 0 in stage_ids
+        self.has_last = num_stages - 1 in stage_ids
+        self._mb_losses: list[torch.Tensor] = []
+        self._batch_shape: tuple[int, ...] | None = None
+        self.pipeline_stages = [
+            PipelineStage(module, sid, num_stages, self.device, group=pp_group)
+            for module, sid in zip(self.modules, self.stage_ids)
+        ]
+        # scale_grads=False: torch's grad scaling divides every p.grad in place after the step,
+        # which would also shrink gradients accumulated by earlier step() calls. Scaling the
+        # loss instead (see _loss) gives the same mean and composes with accumulation.
+        cls = SCHEDULES[schedule]
+        target = self.pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else self.pipeline_stages[0]
+        self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Called on the last stage once per microbatch (and once more during the schedule's
+        # first-step shape inference, on placeholder data; step() keeps only the last m).
+        loss = self.loss_fn(output, target)
+        self._mb_losses.append(loss.detach())
+        # Equal microbatches: the batch mean is the mean of the microbatch means.
+        return loss * (self.loss_scale / self.num_microbatches)
+
+    def step(self, inputs: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch, split into ``num_microbatches``; gradients
+        accumulate into the stage parameters (zero them yourself). Returns the batch's mean loss
+        (unscaled, detached, fp32), identical on every pp rank.
+
+        ``inputs`` (token ids) are needed only where the first stage lives; ``labels`` give the
+        global sequence length everywhere and the targets on the last stage. The batch shape
+        must stay the same across calls: receive buffers are sized on the first call.
+
+        Collectives: the schedule's send/recv between neighbouring stages on ``pp_group``
+        (plus object send/recv for shape inference on the first call), then one all-reduce
+        of a scalar over ``pp_group``. Under TP + loss_parallel call this inside
+        ``loss_parallel()``.
+        """
+        m = self.num_microbatches
+        if labels.shape[0] % m:
+            raise ValueError(
+                f"the batch of {labels.shape[0]} sequences does not split into {m} equal microbatches; "
+                f"make the per-rank batch a multiple of num_microbatches"
+            )
+        if self._batch_shape is None:
+            self._batch_shape = tuple(labels.shape)
+        elif tuple(labels.shape) != self._batch_shape:
+            raise ValueError(
+                f"batch shape {tuple(labels.shape)} differs from the first step's {self._batch_shape}; "
+                "pipeline buffers are sized once, so keep micro_batch_size and block_size fixed"
+            )
+        if self.has_first and inputs is None:
+            raise ValueError("this rank holds the first pipeline stage and needs the input ids")
+        for module in self.modules:
+            # Rotary positions cover the whole sequence, whatever sharding the stage applies.
+            module.seq_len = labels.shape[1]
+        self._mb_losses.clear()
+        target = labels.to(self.device) if self.has_last else None
+        args = (inputs.to(self.device),) if self.has_first else ()
+        self.schedule.step(*args, target=target, return_outputs=False)
+
+        if self.has_last:
+            mb_losses = [_plain(loss).float() for loss in self._mb_losses[-m:]]
+            loss = torch.stack(mb_losses).mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._mb_losses.clear()
+        # Only the last stage's rank holds the loss; a sum over pp hands it to every rank.
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
+
+
+def _aligned_grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` with the parameter's own placements (TP can deliver a vocab-sharded
+    embedding's grad replicated), created as zeros if backward left none."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    elif isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+
+def sum_tied_embedding_grads(
+    stages: list[nn.Module],
+    pp_group: dist.ProcessGroup | None,
+    *,
+    first_rank: int = 0,
+    last_rank: int | None = None,
+) -> None:
+    """Tied embeddings: make ``model.embed_tokens.weight`` (first stage) and ``lm_head.weight``
+    (last stage) carry the sum of both gradients, so the two copies of the one Hugging Face
+    weight take identical updates. Call once per optimizer step, after all ``step`` calls and
+    before clipping and the optimizer (before or after the dp all-reduce: the two commute).
+    ``materialize`` unties a tied pair even inside one module, so call it for every tied model,
+    pp=1 included; where the pair is still one Parameter it does nothing.
+
+    ``first_rank``/``last_rank`` are the pp-group ranks of the first/last stage (default 0 and
+    pp−1; with zbv both sit on rank 0 and are summed locally). Under TP both copies must be
+    sharded alike (vocab-sharded ``Shard(0)``, as a row-wise embedding and a column-wise
+    lm_head are) so that each tp rank's local shards correspond.
+
+    Collectives: a DTensor grad whose placements differ from its parameter's is redistributed
+    first (over the tp mesh); then one send and one recv of the local gradient shard between
+    the two ranks only, each tp rank with its own peer. Ranks holding neither do nothing.
+    """
+    embed = next((s.model.embed_tokens.weight for s in stages if s.model.embed_tokens is not None), None)
+    head = next((s.lm_head.weight for s in stages if s.lm_head is not None), None)
+    if embed is None and head is None:
+        return
+    if embed is not None and head is not None:
+        if embed is head:  # still one Parameter: autograd has already summed both uses
+            return
+        a, b = _aligned_grad(embed), _aligned_grad(head)
+        if a.shape != b.shape:
+            raise ValueError(f"tied embedding and lm_head grads are sharded differently: {tuple(a.shape)} vs {tuple(b.shape)}")
+        a.add_(b)
+        b.copy_(a)
+        return
+    group = pp_group if pp_group is not None else dist.group.WORLD
+    if last_rank is None:
+        last_rank = dist.get_world_size(group) - 1
+    mine = _aligned_grad(embed if embed is not None else head)
+    peer = dist.get_global_rank(group, last_rank if embed is not None else first_rank)
+    send = mine.contiguous()
+    other = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, other, peer, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    # a + b == b + a exactly in IEEE arithmetic, so both ranks end with bit-identical sums.
+    mine.add_(other)

@@ -1,0 +1,88 @@
+"""ZeRO-1: optimizer state (AdamW moments, and with them the fp32 master weights, which are the
+parameters themselves here) sharded across the data-parallel ranks.
+
+Built on ``torch.distributed.optim.ZeroRedundancyOptimizer``, which partitions whole parameters
+over the dp group, steps only the owned ones and broadcasts the updated values. It cannot take
+DTensor parameters (``c10d.broadcast_`` has no sharding strategy), so it is given plain
+parameters that alias each rank's local shards (same storage; no bucket view, which would
+re-point ``.data`` and break the alias). That choice composes with TP (each tp rank runs its own
+ZeRO over the shards it holds) and PP (each stage's parameters), unlike FSDP2, which would also
+shard parameters and gradients (ZeRO-3) and so change the memory model the planner predicts.
+
+Collectives: none in forward/backward; ``step`` broadcasts each updated parameter from its owner
+to the dp group. Gradients must already be averaged over dp (and aligned to their parameter's
+placement under TP) when ``step`` is called.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Zero1Optimizer:
+    """An optimizer over ``named_params`` whose state is sharded across ``dp_group``."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], groups: list[dict], optimizer_class, *,
+                 dp_group, **defaults) -> None:
+        self.named = named_params
+        alias_of = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for _, p in named_params}
+        self.alias = [(name, p, alias_of[id(p)]) for name, p in named_params]
+        alias_groups = [{**g, "params": [alias_of[id(p)] for p in g["params"]]} for g in groups]
+        self.inner = ZeroRedundancyOptimizer(
+            alias_groups, optimizer_class=optimizer_class, process_group=dp_group,
+            parameters_as_bucket_view=False, **defaults,
+        )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def step(self) -> None:
+        for _, p, a in self.alias:
+            a.grad = None if p.grad is None else _local(p.grad)
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p, a in self.alias:
+            p.grad = None
+            a.grad = None
+
+    def owned(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(name, parameter, alias) of the parameters whose state this dp rank holds."""
+        mine = {id(a) for g in self.inner.optim.param_groups for a in g["params"]}
+        return [(n, p, a) for n, p, a in self.alias if id(a) in mine]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """``<name>.<key>`` → state tensor, as a DTensor with its parameter's layout under TP, so
+        a checkpoint records the global slice it covers."""
+        out = {}
+        for name, p, a in self.owned():
+            for key, value in self.inner.optim.state.get(a, {}).items():
+                if key == "step" or not torch.is_tensor(value):
+                    continue
+                if isinstance(p, DTensor):
+                    value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                out[f"{name}.{key}"] = value
+        return out
+
+    def load_state(self, read, step: int) -> None:
+        """Fill the owned parameters' state from ``read(name, like)``, which returns the local
+        tensor shaped like ``like`` (a zero tensor with the parameter's layout) or None."""
+        for name, p, a in self.owned():
+            state = {}
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                value = read(f"{name}.{key}", p)
+                if value is not None:
+                    state[key] = value
+            if "exp_avg" in state:
+                state["step"] = torch.tensor(float(step))
+            if state:
+                self.inner.optim.state[a] = state
