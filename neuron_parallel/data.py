@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,15 +147,21 @@ def tokenize_dataset(
         raise ValueError(
             f"{source!r} has {num_tokens} tokens, fewer than one block of {row}; lower data.block_size or add data"
         )
-    tmp = out.with_name(out.name + ".tmp")
+    # A private temporary name, renamed into place: several nodes (or runs) may tokenize the
+    # same data into a shared cache at once, and whichever finishes first wins.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     packed.with_format("numpy").save_to_disk(str(tmp))
     result = TokenizedDataset(
         path=str(out), fingerprint=fingerprint, num_tokens=num_tokens, num_blocks=len(packed), block_size=block_size
     )
     (tmp / info_path.name).write_text(json.dumps(dataclasses.asdict(result)))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not info_path.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 

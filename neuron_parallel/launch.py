@@ -77,7 +77,11 @@ def run_torchrun(
     run_dir = Path(job.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / "job.json"
-    job_path.write_text(job.to_json())
+    # Atomic: on a shared run directory every node's launcher writes the same job, while ranks
+    # that already started may be reading it.
+    tmp = job_path.with_name(f"job.json.tmp-{os.getpid()}")
+    tmp.write_text(job.to_json())
+    tmp.replace(job_path)
     child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(launch.omp_num_threads), "PYTHONUNBUFFERED": "1"}
     cmd = torchrun_command(job_path, launch)
     tail: deque[str] = deque(maxlen=40)

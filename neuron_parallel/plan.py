@@ -63,7 +63,7 @@ def check_plan(job: JobConfig) -> Plan:
             f"schedule needs num_microbatches >= pp (e.g. {pc.pp})"
         )
     mbs = job.train.micro_batch_size
-    if mbs % pc.num_microbatches:
+    if pc.pp > 1 and mbs % pc.num_microbatches:
         good = [m for m in _divisors(mbs)]
         raise ValueError(
             f"train.micro_batch_size={mbs} is not divisible by parallel.num_microbatches={pc.num_microbatches}; "

@@ -26,6 +26,7 @@ from .data import BlockStream
 from .engine import build_engine
 from .mesh import ParallelDims, init_distributed, local_device
 from .optim import lr_at
+from .plan import check_plan
 
 EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
@@ -46,6 +47,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def run_training(job: JobConfig) -> None:
+    check_plan(job)  # a layout the model cannot take fails here, before any rank loads weights
     init_distributed(job.device)
     device = local_device(job.device)
     pc = job.parallel

@@ -1,0 +1,61 @@
+"""`neuron-flows train`: a 3D layout and a two-agent multi-node launch give the losses of one
+process."""
+
+import os
+import socket
+import subprocess
+import sys
+
+from .conftest import ROOT, read_metrics
+
+STEPS = 4
+
+
+def _base(tiny_world, tmp_path, run):
+    return ["--set", f"model.name_or_path={tiny_world['model']}", "--set", f"data.source={tiny_world['corpus']}",
+            "--set", f"data.cache_dir={tmp_path / 'datasets'}", "--set", f"train.max_steps={STEPS}",
+            "--set", "train.save_every=0", "--set", "data.block_size=32", "--set", f"output.dir={tmp_path / run}"]
+
+
+def _train(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+def _finish(proc, timeout=400):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return out
+
+
+def _close(a, b):
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
+
+
+def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path):
+    one = _finish(_train(_base(tiny_world, tmp_path, "one") + [
+        "--set", "parallel.tp=1", "--set", "parallel.pp=1", "--set", "launch.nproc_per_node=1"]))
+    out = _finish(_train(_base(tiny_world, tmp_path, "tp2pp2") + [
+        "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "launch.nproc_per_node=4"]))
+    assert out.strip().splitlines()[-1] == f"run: {tmp_path / 'tp2pp2'}"
+    assert one.strip().splitlines()[-1] == f"run: {tmp_path / 'one'}"
+    _close(read_metrics(tmp_path / "tp2pp2"), read_metrics(tmp_path / "one"))
+
+
+def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = _base(tiny_world, tmp_path, "multi") + [
+        "--set", "launch.nnodes=2", "--set", "launch.nproc_per_node=2", "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}",
+        "--set", f"launch.rdzv_id=test-{port}", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
+        "--set", "train.micro_batch_size=4",
+    ]
+    agents = [_train(node), _train(node)]
+    for agent in agents:
+        _finish(agent)
+    _finish(_train(_base(tiny_world, tmp_path, "one") + ["--set", "launch.nproc_per_node=1"]))
+    _close(read_metrics(tmp_path / "multi"), read_metrics(tmp_path / "one"))
