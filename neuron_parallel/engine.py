@@ -52,9 +52,7 @@ class Engine:
         if cfg.optimizer == "sgd":
             cls, defaults = torch.optim.SGD, dict(lr=cfg.lr)
         else:
-            # foreach kernels group tensors by device and dtype; DTensors on different meshes
-            # (KV-replicated projections) cannot share one, so TP takes the per-tensor path.
-            cls, defaults = torch.optim.AdamW, dict(lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=self.dims.tp == 1)
+            cls, defaults = torch.optim.AdamW, dict(lr=cfg.lr, betas=cfg.betas, eps=1e-8)
         if self.job.parallel.zero_1 and self.dims.dp > 1:
             self.optimizer = Zero1Optimizer(named, groups, cls, dp_group=self.dims.mesh["dp"].get_group(), **defaults)
         else:
