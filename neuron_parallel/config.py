@@ -115,6 +115,8 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps (and at the last step); 0 saves only at the end."""
     keep_checkpoints: int = 3
     """Keep the newest K complete checkpoints; 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in a background thread; training waits only for the host copy."""
     seed: int = 0
     """Seeds model init (when not loading weights), data order and dropout."""
     micro_batch_size: int = 4

@@ -49,19 +49,49 @@ def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
     return cmd + ["-m", "neuron_parallel.train", str(job_path)]
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from /proc (Linux); just ``pid`` where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                # The command name is in parentheses and may hold spaces; ppid follows it.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End torchrun and every rank. torchrun (torch 2.13) starts each rank in a session of its
+    own, so signalling torchrun's process group does not reach the ranks: SIGTERM goes to
+    torchrun, which forwards it to the ranks; whatever is left after ``grace_s`` is SIGKILLed
+    by pid, from a list of descendants taken before anything was signalled."""
     if proc.poll() is not None:
         return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    tree = process_tree(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in tree:
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            pass
+    proc.wait()
 
 
 def run_torchrun(
@@ -109,7 +139,7 @@ def run_torchrun(
                     on_line(line)
         code = proc.wait()
     finally:
-        _kill_group(proc)
+        kill_tree(proc)
     if code != 0:
         raise TrainingFailed(f"torchrun exited with code {code}; last output:\n" + "\n".join(tail))
     return TrainResult(run_dir=str(run_dir), **state)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointTensors, save_checkpoint
+from .checkpoint import CheckpointTensors, CheckpointWriter
 from .checkpoint.resume import find_resume_checkpoint
 from .config import JobConfig
 from .data import BlockStream
@@ -82,6 +82,8 @@ def run_training(job: JobConfig) -> None:
     mbs, dp_rank = tc.micro_batch_size, coords["dp_rank"]
     tokens_per_step = G * job.block_size
     fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
+    writer = CheckpointWriter(run_dir, coords=coords, model_dir=job.model_path, keep=tc.keep_checkpoints,
+                              async_save=tc.async_save)
     t_start = time.perf_counter()
     for step in range(start_step + 1, tc.max_steps + 1):
         t0 = time.perf_counter()
@@ -114,14 +116,12 @@ def run_training(job: JobConfig) -> None:
         if step % tc.log_every == 0 or step == tc.max_steps:
             emit("step", max_steps=tc.max_steps, **record)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
-            path = save_checkpoint(
-                run_dir,
+            t_save = time.perf_counter()
+            path = writer.save(
                 step,
                 model=engine.model_tensors(),
                 optim=engine.optim_tensors(dp_rank),
-                coords=coords,
                 parallel=pc,
-                model_dir=job.model_path,
                 trainer_state={
                     "step": step,
                     "tokens_seen": step * tokens_per_step,
@@ -133,13 +133,15 @@ def run_training(job: JobConfig) -> None:
                     "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
                     "metrics": record,
                 },
-                keep=tc.keep_checkpoints,
             )
-            emit("checkpoint", step=step, path=str(path))
+            emit("checkpoint", step=step, path=str(path), blocked_s=time.perf_counter() - t_save, async_save=tc.async_save)
             if fail_after and step >= fail_after:
-                emit("failure_injected", step=step)
+                writer.wait()
                 dist.barrier()
+                emit("failure_injected", step=step)
                 os._exit(3)
+    writer.wait()
+    dist.barrier()
     emit("done", step=tc.max_steps, run_dir=str(run_dir))
     dist.destroy_process_group()
 

@@ -50,6 +50,7 @@ class TrainSection(_Section):
     max_steps: int = Field(100, ge=1)
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, ge=0, description="Keep the newest K complete checkpoints; 0 = all.")
+    async_save: bool = Field(False, description="Write checkpoints in the background; training waits only for the host copy.")
     seed: int = 0
     micro_batch_size: int = Field(4, ge=1, description="Sequences per data-parallel rank per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")

@@ -2,11 +2,12 @@
 
 from .consolidate import consolidate_checkpoint
 from .format import Manifest, is_complete, list_checkpoints, resolve_checkpoint
-from .save import save_checkpoint
+from .save import CheckpointWriter
 from .tensors import CheckpointTensors, HFWeights, local_view
 from .validate import validate_checkpoint
 
 __all__ = [
+    "CheckpointWriter",
     "CheckpointTensors",
     "HFWeights",
     "Manifest",
@@ -15,6 +16,5 @@ __all__ = [
     "list_checkpoints",
     "local_view",
     "resolve_checkpoint",
-    "save_checkpoint",
     "validate_checkpoint",
 ]

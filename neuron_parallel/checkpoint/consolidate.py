@@ -4,7 +4,10 @@ Tensors are assembled one at a time from memory-mapped pieces and appended to th
 so peak memory stays near the largest tensor rather than the model. The safetensors package
 only writes whole dicts held in memory, which is exactly what streaming must avoid; the file
 format is a length-prefixed JSON header followed by raw little-endian bytes, so it is written
-here directly, with the header computed up front from the manifest.
+here directly, with the header computed up front from the source's plan.
+
+Two sources feed the one writer through :class:`TensorSource`: our own checkpoints (manifest and
+safetensors pieces) and optimum-neuron / neuronx-distributed checkpoints (``neuronx.py``).
 """
 
 from __future__ import annotations
@@ -15,15 +18,32 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from .format import HF_FILES, resolve_checkpoint
+from .neuronx import NeuronxCheckpoint, find_neuronx_checkpoint
 from .tensors import CheckpointTensors, _numel, dtype_from_name
 from .validate import validate_checkpoint
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class TensorSource(Protocol):
+    """A checkpoint as the streaming writer sees it."""
+
+    model_config: dict[str, Any]
+
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        """``(Hugging Face name, shape, dtype)`` of every tensor to write, in writing order."""
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``, exactly the shape and dtype its plan entry says."""
+
+    def hf_files(self) -> list[Path]:
+        """Config, generation config and tokenizer files to copy next to the weights."""
 
 
 def parse_size(text: str | int) -> int:
@@ -55,7 +75,37 @@ def _export_plan(tensors: CheckpointTensors) -> list[tuple[str, list[int], torch
     return plan
 
 
-def _write_safetensors(path: Path, items, tensors: CheckpointTensors) -> int:
+class ManifestSource:
+    """One of our checkpoints (manifest + safetensors pieces) as a :class:`TensorSource`."""
+
+    def __init__(self, ckpt: Path, model_dir: str | Path | None = None) -> None:
+        self.root = ckpt
+        self.tensors = CheckpointTensors(ckpt)
+        self.model_config = self.tensors.manifest.model_config
+        self._plan = _export_plan(self.tensors)
+        self._shapes = {name: shape for name, shape, _ in self._plan}
+        self._files_dir = Path(model_dir) if model_dir is not None else ckpt
+
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        return self._plan
+
+    def read(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        return self.tensors.read(name, [0] * len(shape), shape)
+
+    def hf_files(self) -> list[Path]:
+        return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
+
+
+def _read_checked(source: TensorSource, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    t = source.read(name)
+    if list(t.shape) != list(shape) or t.dtype != dtype:
+        # The header was written from the plan; bytes of another shape would corrupt the file.
+        raise ValueError(f"{name}: read {list(t.shape)} {t.dtype}, planned {list(shape)} {dtype}")
+    return t
+
+
+def _write_safetensors(path: Path, items, source: TensorSource) -> int:
     header, offset = {}, 0
     for name, shape, dtype in items:
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
@@ -68,8 +118,8 @@ def _write_safetensors(path: Path, items, tensors: CheckpointTensors) -> int:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape, _ in items:
-            t = tensors.read(name, [0] * len(shape), shape)
+        for name, shape, dtype in items:
+            t = _read_checked(source, name, shape, dtype)
             # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian).
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
             del t
@@ -79,32 +129,35 @@ def _write_safetensors(path: Path, items, tensors: CheckpointTensors) -> int:
     return offset
 
 
-def consolidate_checkpoint(
-    path: str | Path,
-    output_dir: str | Path,
-    *,
-    fmt: str = "safetensors",
-    max_shard_size: str | int = "5GB",
-) -> Path:
-    """Write a Hugging Face model directory for the checkpoint at ``path`` (a run dir → its
-    newest complete checkpoint, a checkpoint dir, or its ``shards/`` folder). Refuses a
-    checkpoint that fails quick validation."""
+def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> TensorSource:
+    """The checkpoint at ``path`` as a :class:`TensorSource`, after quick validation: ours (a run
+    dir, checkpoint dir or its ``shards/``) or an optimum-neuron / neuronx-distributed one (its
+    checkpoint dir or ``shards/``; see ``neuronx.py``). Refuses an incomplete or damaged one."""
+    shards = find_neuronx_checkpoint(path)
+    if shards is not None:
+        return NeuronxCheckpoint(shards, model_dir=model_dir)
     ckpt = resolve_checkpoint(path)
     problems = validate_checkpoint(ckpt, quick=True)
     if problems:
         raise ValueError(f"refusing to consolidate {ckpt}: " + "; ".join(problems))
+    return ManifestSource(ckpt, model_dir)
+
+
+def write_hf_dir(source: TensorSource, output_dir: str | Path, *, fmt: str = "safetensors",
+                 max_shard_size: str | int = "5GB") -> Path:
+    """Stream ``source`` into a Hugging Face model directory (one tensor in memory at a time for
+    safetensors; ``pytorch`` builds one state dict, as ``torch.save`` needs)."""
     if fmt not in ("safetensors", "pytorch"):
         raise ValueError(f"format {fmt!r} is not one of ('safetensors', 'pytorch')")
     limit = parse_size(max_shard_size)
-    tensors = CheckpointTensors(ckpt)
-    plan = _export_plan(tensors)
+    plan = source.plan()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin")):
         stale.unlink()
 
     if fmt == "pytorch":
-        state = {name: tensors.read(name, [0] * len(shape), shape) for name, shape, _ in plan}
+        state = {name: _read_checked(source, name, shape, dtype) for name, shape, dtype in plan}
         torch.save(state, out / "pytorch_model.bin")
     else:
         groups, cur, size = [], [], 0
@@ -117,16 +170,32 @@ def consolidate_checkpoint(
             size += nbytes
         groups.append(cur)
         if len(groups) == 1:
-            _write_safetensors(out / "model.safetensors", groups[0], tensors)
+            _write_safetensors(out / "model.safetensors", groups[0], source)
         else:
             weight_map, total = {}, 0
             for i, group in enumerate(groups, 1):
                 fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-                total += _write_safetensors(out / fname, group, tensors)
+                total += _write_safetensors(out / fname, group, source)
                 weight_map.update({name: fname for name, _, _ in group})
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for name in HF_FILES:
-        if (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, out / name)
+    for src in source.hf_files():
+        shutil.copyfile(src, out / src.name)
     return out
+
+
+def consolidate_checkpoint(
+    path: str | Path,
+    output_dir: str | Path,
+    *,
+    fmt: str = "safetensors",
+    max_shard_size: str | int = "5GB",
+    model_dir: str | Path | None = None,
+) -> Path:
+    """Write a Hugging Face model directory for the checkpoint at ``path``: ours (a run dir → its
+    newest complete checkpoint, a checkpoint dir, or its ``shards/`` folder) or an optimum-neuron
+    / neuronx-distributed one (its checkpoint dir or ``shards/``). Refuses a checkpoint that
+    fails quick validation. ``model_dir``: a Hugging Face directory whose config, generation
+    config and tokenizer files are copied instead of the checkpoint's own."""
+    source = open_source(path, model_dir=model_dir)
+    return write_hf_dir(source, output_dir, fmt=fmt, max_shard_size=max_shard_size)

@@ -1,9 +1,13 @@
-"""Atomic, sharded checkpoint save (a collective over every rank).
+"""Atomic, sharded checkpoint save, optionally asynchronous.
 
-Every rank writes the safetensors files it owns into ``checkpoint-<step>.tmp``; rank 0 gathers
-their sizes, checksums and tensor slices, writes ``trainer_state.json`` and ``manifest.json``,
-renames the folder into place and writes ``COMPLETE`` last. A crash at any point leaves either
-the previous checkpoints untouched or a folder without ``COMPLETE``, which does not count.
+Every rank copies the tensors it owns to host memory (the only part that blocks training when
+saving asynchronously), then writes them as safetensors into ``checkpoint-<step>.tmp`` together
+with a small ``rank_XXXXX.json`` listing its files (size, sha256) and tensor slices. Rank 0 waits
+for every rank's listing, writes ``trainer_state.json`` and ``manifest.json``, renames the
+folder into place and writes ``COMPLETE`` last. Ranks coordinate through those files rather than
+collectives, so the writing can run in a background thread while training's own collectives go
+on. A crash at any point leaves the previous checkpoints untouched and at most a folder without
+``COMPLETE``, which does not count.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,8 @@ from .format import (
     optim_file,
 )
 from .tensors import dtype_name, local_view
+
+_RANK_LISTING = "rank_{:05d}.json"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -62,115 +70,140 @@ def _owns(t: torch.Tensor, tp_rank: int) -> bool:
     return tp_rank == 0
 
 
-def _write_file(
-    root: Path, rel: str, named: dict[str, torch.Tensor], kind: str, tp_rank: int
-) -> tuple[dict[str, Any], list[tuple[str, str, list[int], str, Piece]]] | None:
+def _stage(named: dict[str, torch.Tensor], tp_rank: int, rel: str, kind: str):
+    """Host copies of the tensors this rank stores, with the global slice each one covers."""
     tensors, pieces = {}, []
     for name, t in named.items():
         if not _owns(t, tp_rank):
             continue
         local, gshape, offsets = local_view(t.detach())
-        tensors[name] = local.to("cpu").contiguous()
-        pieces.append((name, kind, gshape, dtype_name(local.dtype), Piece(rel, name, offsets, list(local.shape))))
-    if not tensors:
-        return None
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync(path)
-    return {rel: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, pieces
+        tensors[name] = local.to("cpu", copy=True).contiguous()
+        pieces.append([name, kind, gshape, dtype_name(local.dtype), asdict(Piece(rel, name, offsets, list(local.shape)))])
+    return tensors, pieces
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    *,
-    model: dict[str, torch.Tensor],
-    optim: dict[str, torch.Tensor],
-    coords: dict[str, int],
-    parallel: Any,
-    model_dir: str | Path,
-    trainer_state: dict[str, Any],
-    keep: int = 0,
-) -> Path:
-    """Save this rank's part of checkpoint ``step``; returns the final folder on every rank.
+class CheckpointWriter:
+    """Writes checkpoints of one run; ``save`` returns once tensors are on the host when
+    ``async_save`` is set, and ``wait`` blocks until the last save is complete."""
 
-    ``model`` maps Hugging Face names to this rank's parameters (DTensor or plain); it is stored
-    by dp rank 0 only. ``optim`` maps ``<name>.<state>`` to the optimizer tensors this dp rank
-    stores (everything on dp rank 0 without ZeRO-1, its own partition with ZeRO-1). Tensors
-    replicated over tensor-parallel ranks are stored once.
-    """
-    run = Path(run_dir)
-    final = run / f"checkpoint-{step}"
-    tmp = run / f"checkpoint-{step}.tmp"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tp_rank, pp_rank, dp_rank = coords["tp_rank"], coords["pp_rank"], coords["dp_rank"]
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    def __init__(self, run_dir: str | Path, *, coords: dict[str, int], model_dir: str | Path, keep: int = 0,
+                 async_save: bool = False, timeout_s: float = 3600.0) -> None:
+        self.run = Path(run_dir)
+        self.coords = coords
+        self.model_dir = Path(model_dir)
+        self.keep = keep
+        self.async_save = async_save
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    files: dict[str, Any] = {}
-    pieces: list = []
-    jobs = []
-    if dp_rank == 0:
-        jobs.append((model_file(tp_rank, pp_rank), model, "model"))
-    jobs.append((optim_file(tp_rank, pp_rank, dp_rank), optim, "optim"))
-    for rel, named, kind in jobs:
-        written = _write_file(tmp, rel, named, kind, tp_rank)
-        if written:
-            files.update(written[0])
-            pieces.extend(written[1])
+    def save(self, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], parallel: Any,
+             trainer_state: dict[str, Any]) -> Path:
+        """Save checkpoint ``step`` (a collective). ``model`` maps Hugging Face names to this
+        rank's parameters, stored by dp rank 0; ``optim`` maps ``<name>.<state>`` to the optimizer
+        tensors this dp rank stores. Tensors replicated over tensor-parallel ranks are stored once."""
+        self.wait()
+        final = self.run / f"checkpoint-{step}"
+        tmp = self.run / f"checkpoint-{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        tp, pp, dp = self.coords["tp_rank"], self.coords["pp_rank"], self.coords["dp_rank"]
+        staged = []
+        if dp == 0:
+            staged.append((model_file(tp, pp), *_stage(model, tp, model_file(tp, pp), "model")))
+        staged.append((optim_file(tp, pp, dp), *_stage(optim, tp, optim_file(tp, pp, dp), "optim")))
+        meta = {"parallel": parallel if isinstance(parallel, dict) else asdict(parallel), "state": trainer_state}
+        args = (step, tmp, final, staged, meta)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._run, args=args, name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(*args)
+            _barrier()
+        return final
 
-    gathered: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(gathered, (files, pieces))
-    else:
-        gathered = [(files, pieces)]
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("asynchronous checkpoint save failed") from error
 
-    if rank == 0:
-        _finish(run, tmp, final, step, gathered, parallel, Path(model_dir), trainer_state, keep)
-    _barrier()
-    return final
+    def _run(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # surfaced by wait() in the training thread
+            self._error = e
 
+    def _write(self, step, tmp: Path, final: Path, staged, meta) -> None:
+        files, pieces = {}, []
+        for rel, tensors, rank_pieces in staged:
+            if not tensors:
+                continue
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path), metadata={"format": "pt"})
+            _fsync(path)
+            files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            pieces += rank_pieces
+        listing = tmp / _RANK_LISTING.format(self.rank)
+        part = listing.with_suffix(".part")
+        part.write_text(json.dumps({"files": files, "pieces": pieces}))
+        part.rename(listing)
+        if self.rank == 0:
+            self._finish(step, tmp, final, meta)
 
-def _finish(run, tmp, final, step, gathered, parallel, model_dir, trainer_state, keep) -> None:
-    files: dict[str, Any] = {}
-    tensors: dict[str, TensorEntry] = {}
-    for rank_files, rank_pieces in gathered:
-        files.update(rank_files)
-        for name, kind, gshape, dtype, piece in rank_pieces:
-            entry = tensors.setdefault(name, TensorEntry(shape=gshape, dtype=dtype, kind=kind))
-            entry.pieces.append(piece)
-    for name in HF_FILES:
-        src = model_dir / name
-        if src.is_file():
-            shutil.copyfile(src, tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-    (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-    files[TRAINER_STATE] = {"size": (tmp / TRAINER_STATE).stat().st_size, "sha256": sha256_file(tmp / TRAINER_STATE)}
-    config = json.loads((model_dir / "config.json").read_text())
-    manifest = Manifest(
-        step=step,
-        parallel=asdict(parallel) if not isinstance(parallel, dict) else parallel,
-        model_config=config,
-        files=dict(sorted(files.items())),
-        tensors=dict(sorted(tensors.items())),
-    )
-    (tmp / MANIFEST).write_text(manifest.to_json())
-    _fsync(tmp / MANIFEST)
-    if final.exists():  # an earlier, incomplete attempt at the same step
-        shutil.rmtree(final)
-    tmp.rename(final)
-    marker = final / (COMPLETE + ".tmp")
-    marker.write_text(json.dumps({"step": step}))
-    _fsync(marker)
-    marker.rename(final / COMPLETE)
-    _fsync(final)
-    if keep > 0:
-        complete = [c for c in list_checkpoints(run) if is_complete(c)]
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _finish(self, step: int, tmp: Path, final: Path, meta) -> None:
+        listings = [tmp / _RANK_LISTING.format(r) for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        while not all(p.exists() for p in listings):
+            if time.monotonic() > deadline:
+                missing = [p.name for p in listings if not p.exists()]
+                raise TimeoutError(f"{tmp}: ranks never finished writing ({', '.join(missing[:8])} missing)")
+            time.sleep(0.02)
+        files: dict[str, Any] = {}
+        tensors: dict[str, TensorEntry] = {}
+        for path in listings:
+            data = json.loads(path.read_text())
+            files.update(data["files"])
+            for name, kind, gshape, dtype, piece in data["pieces"]:
+                entry = tensors.setdefault(name, TensorEntry(shape=gshape, dtype=dtype, kind=kind))
+                entry.pieces.append(Piece(**piece))
+            path.unlink()
+        for name in HF_FILES:
+            src = self.model_dir / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        (tmp / TRAINER_STATE).write_text(json.dumps(meta["state"], indent=1))
+        files[TRAINER_STATE] = {"size": (tmp / TRAINER_STATE).stat().st_size, "sha256": sha256_file(tmp / TRAINER_STATE)}
+        manifest = Manifest(
+            step=step,
+            parallel=meta["parallel"],
+            model_config=json.loads((self.model_dir / "config.json").read_text()),
+            files=dict(sorted(files.items())),
+            tensors=dict(sorted(tensors.items())),
+        )
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        _fsync(tmp / MANIFEST)
+        if final.exists():  # an earlier, incomplete attempt at the same step
+            shutil.rmtree(final)
+        tmp.rename(final)
+        marker = final / (COMPLETE + ".tmp")
+        marker.write_text(json.dumps({"step": step}))
+        _fsync(marker)
+        marker.rename(final / COMPLETE)
+        _fsync(final)
+        if self.keep > 0:
+            complete = [c for c in list_checkpoints(self.run) if is_complete(c)]
+            for old in complete[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _barrier() -> None:

@@ -65,9 +65,48 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False) -> list[str]:
                 f"{name}: pieces cover {total} elements of {_numel(entry.shape)} "
                 f"(global shape {entry.shape}); every element must be covered exactly once"
             )
+    problems += _check_against_model(ckpt, manifest)
     if quick:
         return problems
     problems += _check_contents(ckpt, manifest, bad_files)
+    return problems
+
+
+def expected_shapes(model_config: dict) -> dict[str, list[int]]:
+    """Hugging Face parameter names and shapes of the model a config describes (built on the
+    meta device: no memory), the tied lm_head left out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**model_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def _check_against_model(ckpt: Path, manifest: Manifest) -> list[str]:
+    """Every parameter of the model in the manifest's config is present with its shape (a vocab
+    dimension may be padded), and optimizer state matches its parameter's shape."""
+    try:
+        want = expected_shapes(manifest.model_config)
+    except Exception as e:  # an unknown architecture is a finding about this checkpoint
+        return [f"{ckpt / MANIFEST}: model_config does not describe a known model ({e})"]
+    problems = []
+    have = {n: t for n, t in manifest.tensors.items() if t.kind == "model"}
+    vocab = manifest.model_config.get("vocab_size")
+    for name, shape in want.items():
+        entry = have.get(name)
+        if entry is None:
+            problems.append(f"{ckpt}: parameter {name} {shape} is missing from the checkpoint")
+        elif entry.shape != shape and not (entry.shape[1:] == shape[1:] and shape[0] == vocab and entry.shape[0] > vocab):
+            problems.append(f"{ckpt}: {name} has global shape {entry.shape}, the model expects {shape}")
+    for name in sorted(set(have) - set(want)):
+        problems.append(f"{ckpt}: {name} is not a parameter of this model")
+    for name, entry in manifest.tensors.items():
+        if entry.kind == "optim":
+            param = name.rsplit(".", 1)[0]
+            if param in have and entry.shape != have[param].shape:
+                problems.append(f"{ckpt}: optimizer state {name} has shape {entry.shape}, its parameter {have[param].shape}")
     return problems
 
 

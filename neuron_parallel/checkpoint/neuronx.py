@@ -1,0 +1,634 @@
+"""Read optimum-neuron / neuronx-distributed training checkpoints, one Hugging Face tensor at a time.
+
+Layouts (``shards`` is the folder the trainer names; ``tensor_parallel_shards`` is also accepted):
+
+```
+(a) neuronx_distributed.trainer.save_checkpoint, as optimum-neuron 0.4.x calls it
+  shards/model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt    rank-local flat state dict
+  shards/model/<that>.pt.tensors/tensor_{id}.pt                   with xser: one tensor per file,
+  shards/model/<that>.pt.info.pt                                  the .pt holds references
+  shards/mp_metadata_pp_rank_{pp}.json                            partitioning + transformation
+                                                                  specs (older: ..._{pp}.pt)
+  shards/done                                                     written last
+  shards/optim/..., shards/checkpoint, scheduler.pt, ...          ignored here
+(b) neuronx_distributed.parallel_layers.save (older optimum-neuron)
+  shards/tp_rank_{tp:02d}_pp_rank_{pp:02d}/checkpoint.pt          {"model": state dict,
+  shards/tp_rank_{tp:02d}_pp_rank_{pp:02d}  (+ .tensors/)          "sharded_metadata": ...,
+                                                                   "gqa_qkv_metadata": ...}; xser
+```
+
+Every pickle is loaded with ``weights_only=True``; the only class allowed beyond torch's own is a
+stand-in for xser's ``TensorReference`` (an integer id). Rank files are memory-mapped, so a
+tensor's bytes are read only when a Hugging Face tensor needs them, and each Hugging Face tensor
+is assembled straight into its output buffer from the pieces of it each rank holds: memory stays
+near the largest tensor. The inverse transformations (unfusing ``qkv_proj``/``gate_up_proj``,
+keeping one copy of K/V replicated ``kv_size_multiplier`` times, undoing the query-head
+permutation of the GQA QKV layer) follow the metadata the trainer wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .format import HF_FILES
+
+SHARDS_DIRS = ("shards", "tensor_parallel_shards")
+DONE = "done"
+_TRAINER_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_LEGACY_NAME = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)(?:_dp_rank_(\d+))?$")
+_METADATA = re.compile(r"^mp_metadata_pp_rank_(\d+)\.(json|pt)$")
+
+
+class _TensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``: the id of a tensor file."""
+
+    def __setstate__(self, state: dict) -> None:
+        tid = state.get("tid") if isinstance(state, dict) else None
+        if not isinstance(tid, int):
+            raise ValueError(f"xser tensor reference without an integer id: {state!r}")
+        self.tid = tid
+
+
+_XSER_GLOBALS = [(_TensorReference, "torch_xla.utils.serialization.TensorReference")]
+
+
+def _load(path: Path, *, mmap: bool) -> Any:
+    """``torch.load`` with ``weights_only=True`` (and mmap where the file format allows it)."""
+    with torch.serialization.safe_globals(_XSER_GLOBALS):
+        if mmap:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:  # pre-zipfile torch.save format: cannot be mapped
+                if "mmap" not in str(e):
+                    raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _looks_neuronx(shards: Path) -> bool:
+    if not shards.is_dir() or (shards.parent / "manifest.json").exists():
+        return False
+    if (shards / "model").is_dir() or any(_METADATA.match(p.name) for p in shards.iterdir()):
+        return True
+    for p in shards.iterdir():
+        if _LEGACY_NAME.match(p.name) and (p.is_file() or (p / "checkpoint.pt").is_file()):
+            return True
+    return False
+
+
+def find_neuronx_checkpoint(path: str | Path) -> Path | None:
+    """The shards folder of the optimum-neuron / neuronx-distributed checkpoint at ``path`` (the
+    folder itself, the checkpoint dir holding it, or a run dir → its newest ``checkpoint-<step>``
+    with ``shards/done``), or None when ``path`` is not one."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if p.name in SHARDS_DIRS:
+        return p if _looks_neuronx(p) else None
+    for name in SHARDS_DIRS:
+        if _looks_neuronx(p / name):
+            return p / name
+    steps = []
+    for c in p.iterdir():
+        m = re.fullmatch(r"checkpoint-(\d+)", c.name)
+        if m and c.is_dir() and _looks_neuronx(c / "shards") and (c / "shards" / DONE).is_file():
+            steps.append((int(m.group(1)), c / "shards"))
+    return max(steps)[1] if steps else None
+
+
+class _RankFile:
+    """One rank's state dict: names, shapes and dtypes up front; data memory-mapped on use."""
+
+    def __init__(self, path: Path, *, xser: bool, legacy: bool) -> None:
+        self.path, self.xser = path, xser
+        obj = _load(path, mmap=True)
+        self.extra = obj if legacy else {}
+        state = obj.get("model", obj) if legacy and isinstance(obj, dict) else obj
+        if not isinstance(state, dict):
+            raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        self.state = state
+        self._meta: dict[str, tuple[list[int], torch.dtype]] = {}
+        info = Path(str(path) + ".info.pt")
+        self._info = _load(info, mmap=False) if xser and info.is_file() else {}
+
+    @property
+    def tensors_dir(self) -> Path:
+        return Path(str(self.path) + ".tensors")
+
+    def keys(self) -> list[str]:
+        return [k for k, v in self.state.items() if isinstance(v, (torch.Tensor, _TensorReference))]
+
+    def missing_tensor_files(self) -> list[Path]:
+        refs = [v for v in self.state.values() if isinstance(v, _TensorReference)]
+        return [f for f in (self.tensors_dir / f"tensor_{r.tid}.pt" for r in refs) if not f.is_file()]
+
+    def meta(self, key: str) -> tuple[list[int], torch.dtype]:
+        if key not in self._meta:
+            v = self.state[key]
+            info = self._info.get(v.tid) if isinstance(v, _TensorReference) else None
+            if isinstance(info, dict) and "shape" in info and "dtype" in info:
+                self._meta[key] = (list(info["shape"]), info["dtype"])
+            else:
+                t = self.get(key)
+                self._meta[key] = (list(t.shape), t.dtype)
+        return self._meta[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        v = self.state[key]
+        if isinstance(v, _TensorReference):
+            v = _load(self.tensors_dir / f"tensor_{v.tid}.pt", mmap=True)
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{self.path}: {key} is a {type(v).__name__}, not a tensor")
+        return v
+
+
+@dataclass(slots=True)
+class _Param:
+    """How one saved parameter is split over the tp ranks of its stage."""
+
+    parallel: bool = False
+    dim: int = 0
+    stride: int = 1
+
+
+@dataclass(slots=True)
+class _Fused:
+    """Several linears fused into one ColumnParallel/RowParallel weight (``gate_up_proj``, MHA
+    ``qkv_proj``): each rank holds ``[piece_0; piece_1; ...]`` along ``axis``, piece i being its
+    share (``dims[i] // tp``) of linear i."""
+
+    key: str
+    outputs: list[str]
+    dims: list[int]
+    axis: int
+    tp: int
+
+
+@dataclass(slots=True)
+class _GQA:
+    """The GQA QKV layer: Q heads permuted across ranks (and the output projection's columns with
+    them), K/V replicated ``kv_mult`` times; one entry per parameter (weight or bias)."""
+
+    sources: tuple[str, ...]  # (fused qkv key,) or (q key, k key, v key)
+    q: str
+    k: str
+    v: str
+    o: str | None  # the output projection weight whose columns follow the Q permutation
+    num_heads: int
+    num_kv_heads: int
+    kv_mult: int
+    q_rows: int | None  # rows of Q in a rank's fused qkv weight
+    kv_rows: int | None
+    permuted: bool
+    tp: int
+
+
+@dataclass
+class _Stage:
+    pp_rank: int
+    ranks: list[_RankFile]
+    params: dict[str, _Param] = field(default_factory=dict)
+    fused: list[_Fused] = field(default_factory=list)
+    gqa: list[_GQA] = field(default_factory=list)
+
+
+def query_head_order(tp: int, tp_rank: int, num_heads: int, num_kv_heads: int, kv_mult: int) -> torch.Tensor:
+    """Global query heads held, in order, by ``tp_rank`` of the GQA QKV layer: the kv heads
+    ``0..num_kv_heads-1`` are laid out ``kv_mult`` times over the ranks, and each rank takes, for
+    each kv head it holds, the next query heads of that kv head's group."""
+    heads_per_rank = num_heads // tp
+    kv_per_rank = num_kv_heads * kv_mult // tp
+    group = num_heads // num_kv_heads
+    q_per_kv = heads_per_rank // kv_per_rank
+    kv_of_slot = torch.arange(num_kv_heads).repeat(kv_mult).repeat_interleave(q_per_kv).chunk(tp)[tp_rank]
+    ranks_per_kv_cycle = num_kv_heads // kv_per_rank
+    offset = torch.arange(0, group, q_per_kv).repeat_interleave(ranks_per_kv_cycle * heads_per_rank).chunk(tp)[tp_rank]
+    return torch.arange(heads_per_rank) % q_per_kv + kv_of_slot * group + offset
+
+
+def _locate_files(shards: Path) -> tuple[str, bool, dict[tuple[int, int], Path], list[str]]:
+    """(layout, xser, {(tp_rank, pp_rank): rank file}, problems)."""
+    files: dict[tuple[int, int], Path] = {}
+    model = shards / "model"
+    if model.is_dir():
+        for p in model.iterdir():
+            m = _TRAINER_FILE.match(p.name)
+            if m and p.is_file() and int(m.group(1)) == 0:
+                files[int(m.group(2)), int(m.group(3))] = p
+        xser = any(p.name.endswith(".pt.tensors") and p.is_dir() for p in model.iterdir())
+        return "trainer", xser, files, []
+    xser = False
+    for p in shards.iterdir():
+        m = _LEGACY_NAME.match(p.name)
+        if not m or int(m.group(3) or 0) != 0:
+            continue
+        if (p / "checkpoint.pt").is_file():
+            files[int(m.group(1)), int(m.group(2))] = p / "checkpoint.pt"
+        elif p.is_file():
+            files[int(m.group(1)), int(m.group(2))] = p
+            xser = True
+    return "legacy", xser, files, []
+
+
+def _find_config(ckpt_dir: Path, model_dir: str | Path | None) -> tuple[Path | None, str | None]:
+    """(folder whose config/tokenizer files to use, or None; the problem when there is none)."""
+    if model_dir is not None:
+        d = Path(model_dir)
+        return (d, None) if (d / "config.json").is_file() else (None, f"{d / 'config.json'}: missing (--model-dir)")
+    for d in (ckpt_dir, ckpt_dir.parent):
+        if (d / "config.json").is_file():
+            return d, None
+    return None, (
+        f"no config.json in {ckpt_dir} or {ckpt_dir.parent}; pass --model-dir DIR (model_dir=...), a Hugging "
+        "Face model directory whose config and tokenizer belong to this checkpoint"
+    )
+
+
+def _vocab_trimmed(name: str, shape: list[int], config: dict) -> list[int]:
+    """Rows a vocab-padded embedding or lm_head holds beyond the config's vocab_size are dropped."""
+    vocab = config.get("vocab_size")
+    if (name == "lm_head.weight" or name.endswith("embed_tokens.weight")) and vocab and shape[0] > vocab:
+        return [vocab, *shape[1:]]
+    return shape
+
+
+def _expected_shapes(config: dict) -> dict[str, list[int]] | None:
+    """Tensor shapes of the Hugging Face model this config describes (built on the meta device),
+    or None where transformers cannot build it (then the check is skipped, not failed)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # an architecture transformers does not know: nothing to compare with
+        return None
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+_Entry = tuple[str, list[int], torch.dtype, Callable[[], torch.Tensor]]
+
+
+class NeuronxCheckpoint:
+    """An optimum-neuron / neuronx-distributed checkpoint as a ``TensorSource`` for the
+    streaming writer in ``consolidate.py``. Construction validates (done marker, every rank file
+    of the tp × pp grid, metadata, xser tensor files, shapes against the model config) and
+    raises ``ValueError`` naming every problem found."""
+
+    def __init__(self, shards: str | Path, *, model_dir: str | Path | None = None) -> None:
+        self.shards = Path(shards)
+        self.ckpt_dir = self.shards.parent
+        self._problems: list[str] = []
+        files_dir, problem = _find_config(self.ckpt_dir, model_dir)
+        self._files_dir = files_dir
+        self.model_config: dict[str, Any] = json.loads((files_dir / "config.json").read_text()) if files_dir else {}
+        if problem:
+            self._problems.append(problem)
+        self.layout, self.xser, files, _ = _locate_files(self.shards)
+        metadata = self._read_metadata() if self.layout == "trainer" else {}
+        self.tp, self.pp = self._check_grid(files, metadata)
+        self._refuse_if_any()
+        self.stages = [self._build_stage(p, [files[t, p] for t in range(self.tp)], metadata.get(p)) for p in range(self.pp)]
+        self._refuse_if_any()
+        self._entries = self._plan_all()
+        self._refuse_if_any()
+
+    # -- TensorSource ---------------------------------------------------------------------------
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        return [(name, shape, dtype) for name, shape, dtype, _ in self._entries.values()]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._entries[name][3]()
+
+    def hf_files(self) -> list[Path]:
+        d = self._files_dir
+        return [d / n for n in HF_FILES if (d / n).is_file()] if d else []
+
+    # -- validation -----------------------------------------------------------------------------
+    def _refuse_if_any(self) -> None:
+        if self._problems:
+            raise ValueError(f"refusing to consolidate {self.ckpt_dir}: " + "; ".join(self._problems))
+
+    def _read_metadata(self) -> dict[int, Any]:
+        if not (self.shards / DONE).is_file():
+            self._problems.append(
+                f"{self.shards / DONE}: missing (neuronx-distributed writes it once every rank has saved; "
+                "the save did not finish)")
+        found: dict[int, Path] = {}
+        for p in sorted(self.shards.iterdir()):
+            m = _METADATA.match(p.name)
+            if m and (int(m.group(1)) not in found or m.group(2) == "json"):
+                found[int(m.group(1))] = p
+        metadata = {}
+        for pp_rank, path in found.items():
+            try:
+                metadata[pp_rank] = json.loads(path.read_text()) if path.suffix == ".json" else _load(path, mmap=False)
+            except Exception as e:  # a damaged file is a finding, not a crash
+                self._problems.append(f"{path}: unreadable ({e})")
+        return metadata
+
+    def _check_grid(self, files: dict[tuple[int, int], Path], metadata: dict[int, Any]) -> tuple[int, int]:
+        if not files:
+            where = self.shards / "model" if self.layout == "trainer" else self.shards
+            self._problems.append(f"{where}: no rank files (dp_rank_00_tp_rank_XX_pp_rank_YY.pt or tp_rank_XX_pp_rank_YY/)")
+            return 0, 0
+        tp = max(t for t, _ in files) + 1
+        pp = max([p for _, p in files] + [p for p in metadata]) + 1
+        for meta in metadata.values():  # the tp degree the trainer recorded beats counting files
+            for param in (meta.get("parameters") or {}).values() if isinstance(meta, dict) else ():
+                tp = max(tp, int(param.get("num_partitions") or 0))
+        for t in range(tp):
+            for p in range(pp):
+                if (t, p) not in files:
+                    self._problems.append(f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})")
+        if self.layout == "trainer":
+            for p in range(pp):
+                if p not in metadata and not any(str(q).startswith(f"{self.shards}/mp_metadata_pp_rank_{p}.") for q in self._problems):
+                    self._problems.append(f"{self.shards / f'mp_metadata_pp_rank_{p}.json'}: missing (partitioning of pp_rank {p})")
+        return tp, pp
+
+    def _rank_path(self, tp_rank: int, pp_rank: int) -> Path:
+        if self.layout == "trainer":
+            return self.shards / "model" / f"dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+        name = f"tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}"
+        return self.shards / name if self.xser else self.shards / name / "checkpoint.pt"
+
+    def _build_stage(self, pp_rank: int, paths: list[Path], metadata: Any) -> _Stage:
+        ranks = [_RankFile(p, xser=self.xser, legacy=self.layout == "legacy") for p in paths]
+        stage = _Stage(pp_rank, ranks)
+        for r in ranks:
+            missing = r.missing_tensor_files()
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                self._problems.append(", ".join(str(m) for m in missing[:3]) + f"{more}: missing (xser tensors of {r.path})")
+        keys = ranks[0].keys()
+        for r in ranks[1:]:
+            if set(r.keys()) != set(keys):
+                diff = sorted(set(keys) ^ set(r.keys()))
+                self._problems.append(f"{r.path}: holds other tensors than {ranks[0].path} ({', '.join(diff[:4])})")
+        if self.layout == "trainer" and isinstance(metadata, dict) and "parameters" in metadata:
+            self._stage_from_specs(stage, metadata)
+        else:
+            old = metadata if self.layout == "trainer" else ranks[0].extra
+            self._stage_from_old_metadata(stage, old if isinstance(old, dict) else {})
+        return stage
+
+    # -- metadata → partitioning ------------------------------------------------------------------
+    def _stage_from_specs(self, stage: _Stage, meta: dict) -> None:
+        """optimum-neuron ≥ 0.1: per-parameter partitioning plus transformation specs."""
+        for name, m in meta["parameters"].items():
+            if m.get("tensor_model_parallel"):
+                stage.params[name] = _Param(True, int(m["partition_dim"]), int(m.get("partition_stride") or 1))
+        for group in meta.get("model_weight_transformation_specs") or []:
+            prefix = group["module_fully_qualified_name"]
+            for cls_name, spec in group["specs"]:
+                if spec.get("peft_type"):
+                    self._problems.append(f"{prefix}: {spec['peft_type']} adapter weights are not supported; consolidate the base model")
+                    continue
+                if spec.get("tp_size", self.tp) != self.tp:
+                    self._problems.append(f"{prefix}: {cls_name} recorded tp_size={spec['tp_size']}, the rank files say tp={self.tp}")
+                    continue
+                params = ["weight", "bias"] if spec.get("bias") else ["weight"]
+                if cls_name == "FusedLinearsSpec":
+                    axis = {"column": 0, "row": 1}.get(spec["fuse_axis"], spec["fuse_axis"])
+                    for param in params:
+                        stage.fused.append(_Fused(
+                            key=f"{prefix}.{spec['fused_linear_name']}.{param}",
+                            outputs=[f"{prefix}.{n}.{param}" for n in spec["linear_names"]],
+                            dims=[int(d) for d in spec["original_dims"]], axis=0 if param == "bias" else int(axis), tp=self.tp))
+                elif cls_name == "GQAQKVColumnParallelLinearSpec":
+                    qkv = f"{prefix}.{spec['gqa_qkv_projection_name']}"
+                    for param in params:
+                        sources = (f"{qkv}.{param}_qkv",) if spec["fuse_qkv"] else tuple(f"{qkv}.{param}_{s}" for s in "qkv")
+                        stage.gqa.append(_GQA(
+                            sources=sources,
+                            q=f"{prefix}.{spec['query_projection_name']}.{param}",
+                            k=f"{prefix}.{spec['key_projection_name']}.{param}",
+                            v=f"{prefix}.{spec['value_projection_name']}.{param}",
+                            o=f"{prefix}.{spec['output_projection_name']}.weight" if param == "weight" else None,
+                            num_heads=int(spec["num_attention_heads"]), num_kv_heads=int(spec["num_key_value_heads"]),
+                            kv_mult=int(spec["kv_size_multiplier"]), q_rows=spec.get("q_output_size_per_partition"),
+                            kv_rows=spec.get("kv_output_size_per_partition"), permuted=True, tp=self.tp))
+                else:
+                    self._problems.append(f"{prefix}: transformation {cls_name} is not supported")
+
+    def _stage_from_old_metadata(self, stage: _Stage, meta: dict) -> None:
+        """Older optimum-neuron: ``sharded_metadata`` ({name: {kind, partition_dim}}) and
+        ``gqa_qkv_metadata`` (GQA names, head counts, kv_size_multiplier; the Q permutation came
+        in with ``output_projections_names``)."""
+        if "sharded_metadata" not in meta:
+            where = stage.ranks[0].path if self.layout == "legacy" else self.shards / f"mp_metadata_pp_rank_{stage.pp_rank}.*"
+            self._problems.append(f"{where}: no partitioning metadata (sharded_metadata / parameters)")
+            return
+        for name, m in meta["sharded_metadata"].items():
+            if m.get("kind") == "sharded":
+                stage.params[name] = _Param(True, int(m["partition_dim"]))
+        gqa = meta.get("gqa_qkv_metadata") or {}
+        mapping = gqa.get("original_names_to_gqa_qkv_names") or {}
+        targets: dict[str, dict[str, str]] = {}  # gqa parameter (without _q/_k/_v) → role → original name
+        for orig, target in mapping.items():
+            base, _, suffix = target.rpartition("_")
+            if suffix == "qkv":
+                roles = targets.setdefault(target, {})
+                roles["qkv"[len(roles)]] = orig  # q, k, v in the order the mapping lists them
+            else:
+                targets.setdefault(base, {})[suffix] = orig
+        outputs = set(gqa.get("output_projections_names") or ())
+        for base, roles in targets.items():
+            if set(roles) != set("qkv"):
+                self._problems.append(f"{base}: GQA metadata lacks one of q/k/v ({sorted(roles)})")
+                continue
+            prefix = roles["q"].rsplit(".", 2)[0] + "."
+            o = next((n for n in sorted(outputs) if n.startswith(prefix) and n.endswith(".weight")), None)
+            fused = base in mapping.values()
+            stage.gqa.append(_GQA(
+                sources=(base,) if fused else tuple(f"{base}_{s}" for s in "qkv"), q=roles["q"], k=roles["k"], v=roles["v"],
+                o=o if roles["q"].endswith(".weight") else None,
+                num_heads=int(gqa["num_attention_heads"]), num_kv_heads=int(gqa["num_key_value_heads"]),
+                kv_mult=int(gqa.get("kv_size_multiplier") or 1), q_rows=gqa.get("q_output_size_per_partition"),
+                kv_rows=gqa.get("kv_output_size_per_partition"), permuted="output_projections_names" in gqa, tp=self.tp))
+
+    # -- planning: one entry (shape, dtype, reader) per Hugging Face tensor ------------------------
+    def _plan_all(self) -> dict[str, _Entry]:
+        entries: dict[str, _Entry] = {}
+        for stage in self.stages:
+            for entry in self._stage_entries(stage):
+                entries.setdefault(entry[0], entry)  # a weight shared by two stages is written once
+        if self.model_config.get("tie_word_embeddings"):
+            entries.pop("lm_head.weight", None)
+        expected = _expected_shapes(self.model_config) if self.model_config else None
+        if expected is not None:
+            missing = [n for n in expected if n not in entries]
+            if missing:
+                self._problems.append(
+                    f"{len(missing)} tensors of the model in config.json are in no rank file "
+                    f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a pipeline stage or rank is missing")
+            for name, (_, shape, _, _) in entries.items():
+                if name in expected and expected[name] != shape:
+                    self._problems.append(f"{name}: consolidates to {shape}, config.json says {expected[name]}")
+        return entries
+
+    def _stage_entries(self, stage: _Stage) -> list[_Entry]:
+        keys = stage.ranks[0].keys()
+        present = set(keys)
+        by_key: dict[str, list[_Entry]] = {}
+        consumed: set[str] = set()
+        for f in stage.fused:
+            if f.key in present:
+                by_key[f.key] = self._fused_entries(stage, f)
+                consumed.add(f.key)
+        for g in stage.gqa:
+            have = [s for s in g.sources if s in present]
+            if have and len(have) < len(g.sources):
+                self._problems.append(f"{stage.ranks[0].path}: holds {have} but not all of {list(g.sources)}")
+            if len(have) < len(g.sources):
+                continue
+            by_key[g.sources[0]] = self._gqa_entries(stage, g)
+            consumed.update(g.sources)
+            if g.permuted and g.o is not None and g.o in present:
+                by_key[g.o] = [self._output_entry(stage, g)]
+                consumed.add(g.o)
+        out: list[_Entry] = []
+        for key in keys:
+            if key in by_key:
+                out += by_key[key]
+            elif key not in consumed:
+                out.append(self._plain_entry(stage, key))
+        return out
+
+    def _local(self, stage: _Stage, key: str) -> tuple[list[int], torch.dtype]:
+        shape, dtype = stage.ranks[0].meta(key)
+        for r in stage.ranks[1:]:
+            if r.meta(key) != (shape, dtype):
+                self._problems.append(f"{r.path}: {key} is {r.meta(key)[0]} {r.meta(key)[1]}, tp_rank 0 has {shape} {dtype}")
+        return list(shape), dtype
+
+    def _plain_entry(self, stage: _Stage, key: str) -> _Entry:
+        p = stage.params.get(key, _Param())
+        shape, dtype = self._local(stage, key)
+        if p.parallel:
+            shape[p.dim] *= self.tp
+        shape = _vocab_trimmed(key, shape, self.model_config)
+        dim = p.dim if p.parallel else None
+        return key, shape, dtype, lambda: self._gather(stage, key, shape, dtype, dim, stride=p.stride)
+
+    def _fused_entries(self, stage: _Stage, f: _Fused) -> list[_Entry]:
+        local, dtype = self._local(stage, f.key)
+        if local[f.axis] * f.tp != sum(f.dims) or any(d % f.tp for d in f.dims):
+            self._problems.append(f"{f.key}: fused dim {f.axis} is {local[f.axis]} per rank, metadata says {f.dims} over tp={f.tp}")
+            return []
+        p = stage.params.get(f.key)
+        dim = p.dim if p is not None and p.parallel else f.axis
+        entries, start = [], 0
+        for name, d in zip(f.outputs, f.dims):
+            shape = list(local)
+            shape[f.axis] = d // f.tp
+            shape[dim] *= f.tp
+            narrow = (f.axis, start, d // f.tp)
+            entries.append((name, shape, dtype,
+                            lambda key=f.key, shape=shape, narrow=narrow: self._gather(stage, key, shape, dtype, dim, narrow=narrow)))
+            start += d // f.tp
+        return entries
+
+    def _gqa_entries(self, stage: _Stage, g: _GQA) -> list[_Entry]:
+        tp, heads, kv_heads, mult = g.tp, g.num_heads, g.num_kv_heads, g.kv_mult
+        if g.permuted:
+            orders = [query_head_order(tp, r, heads, kv_heads, mult) for r in range(tp)]
+            if not torch.equal(torch.cat(orders).sort().values, torch.arange(heads)):
+                self._problems.append(f"{g.q}: GQA layout heads={heads} kv_heads={kv_heads} kv_size_multiplier={mult} tp={tp} not supported")
+                return []
+        if len(g.sources) == 1:  # fused: [q; k; v] rows per rank
+            local, dtype = self._local(stage, g.sources[0])
+            rows = local[0]
+            q_rows, kv_rows = g.q_rows, g.kv_rows
+            if q_rows is None or kv_rows is None:  # older metadata: derive from the head counts
+                head_dim = rows * tp // (heads + 2 * kv_heads * mult)
+                q_rows, kv_rows = heads // tp * head_dim, kv_heads * mult // tp * head_dim
+            if q_rows + 2 * kv_rows != rows:
+                self._problems.append(f"{g.sources[0]}: {rows} rows per rank, metadata says {q_rows} + 2 × {kv_rows}")
+                return []
+            parts = [(g.sources[0], local, (0, 0, q_rows)), (g.sources[0], local, (0, q_rows, kv_rows)),
+                     (g.sources[0], local, (0, q_rows + kv_rows, kv_rows))]
+        else:
+            parts = []
+            for key in g.sources:
+                local, dtype = self._local(stage, key)
+                parts.append((key, local, None))
+        entries = []
+        for role, (name, (key, local, narrow)) in enumerate(zip((g.q, g.k, g.v), parts)):
+            rows = narrow[2] if narrow else local[0]
+            shape = [rows * tp, *local[1:]]
+            if role:  # K/V: the ranks hold kv_mult copies one after the other; keep the first
+                if shape[0] % mult:
+                    self._problems.append(f"{key}: {shape[0]} K/V rows do not split into kv_size_multiplier={mult} copies")
+                    return []
+                shape[0] //= mult
+            if role == 0 and g.permuted:
+                reader = (lambda key=key, shape=shape, narrow=narrow:
+                          self._gather_heads(stage, key, shape, dtype, 0, heads, orders, narrow))
+            else:
+                reader = lambda key=key, shape=shape, narrow=narrow: self._gather(stage, key, shape, dtype, 0, narrow=narrow)
+            entries.append((name, shape, dtype, reader))
+        return entries
+
+    def _output_entry(self, stage: _Stage, g: _GQA) -> _Entry:
+        p = stage.params.get(g.o, _Param(True, 1))
+        shape, dtype = self._local(stage, g.o)
+        shape[p.dim] *= g.tp
+        orders = [query_head_order(g.tp, r, g.num_heads, g.num_kv_heads, g.kv_mult) for r in range(g.tp)]
+        return g.o, shape, dtype, lambda: self._gather_heads(stage, g.o, shape, dtype, p.dim, g.num_heads, orders)
+
+    # -- reading: each rank's piece copied straight into the output ----------------------------------
+    def _gather(self, stage: _Stage, key: str, shape: list[int], dtype: torch.dtype, dim: int | None, *,
+                stride: int = 1, narrow: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Concatenate the ranks' pieces of ``key`` along ``dim`` (None: replicated, rank 0's);
+        ``narrow`` cuts each piece first; with ``stride`` s each piece is s blocks, block j of
+        rank r landing at position j·tp + r; whatever falls outside ``shape`` is skipped."""
+        out = torch.empty(shape, dtype=dtype)
+        ranks = stage.ranks[:1] if dim is None else stage.ranks
+        for r, rank in enumerate(ranks):
+            local = list(rank.meta(key)[0])
+            if narrow:
+                local[narrow[0]] = narrow[2]
+            block = local[dim] // stride if dim is not None else 0
+            places = [(0, 0)] if dim is None else [
+                (j * block, (j * len(ranks) + r) * block) for j in range(stride) if (j * len(ranks) + r) * block < shape[dim]]
+            if not places:
+                continue  # this rank holds only rows beyond the kept ones (K/V copies, vocab padding)
+            src = rank.get(key)
+            if narrow:
+                src = src.narrow(*narrow)
+            for at, to in places:
+                src_idx = [slice(0, n) for n in shape]
+                dst_idx = [slice(None)] * len(shape)
+                if dim is not None:
+                    length = min(block, shape[dim] - to)
+                    src_idx[dim], dst_idx[dim] = slice(at, at + length), slice(to, to + length)
+                out[tuple(dst_idx)] = src[tuple(src_idx)]
+            del src
+        return out
+
+    def _gather_heads(self, stage: _Stage, key: str, shape: list[int], dtype: torch.dtype, dim: int, num_heads: int,
+                      orders: list[torch.Tensor], narrow: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Like ``_gather`` along ``dim``, but rank r's heads (blocks of ``dim``) go to the global
+        heads ``orders[r]``: the inverse of the GQA layer's query-head permutation."""
+        out = torch.empty(shape, dtype=dtype)
+        heads = out.view(num_heads, -1) if dim == 0 else out.view(shape[0], num_heads, -1)
+        for rank, order in zip(stage.ranks, orders):
+            src = rank.get(key)
+            if narrow:
+                src = src.narrow(*narrow)
+            if dim == 0:
+                heads[order] = src.reshape(len(order), -1)
+            else:
+                heads[:, order] = src.reshape(shape[0], len(order), -1)
+            del src
+        return out
