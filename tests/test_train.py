@@ -151,3 +151,15 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_bf16_compute_with_fp32_master_weights_tracks_fp32(dp2_run, tiny_world, tiny_dataset, tmp_path):
+    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2,
+                    parallel=dict(mixed_precision="bf16"), train=dict(TRAIN, micro_batch_size=4))
+    proc = torchrun(job, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16, fp32 = read_metrics(tmp_path), read_metrics(dp2_run)
+    assert all(abs(a["loss"] - b["loss"]) <= 5e-3 * b["loss"] for a, b in zip(bf16, fp32)), (bf16, fp32)
+    assert any(a["loss"] != b["loss"] for a, b in zip(bf16, fp32))  # it really ran in bf16
+    ckpt = CheckpointTensors(list_checkpoints(tmp_path)[-1])
+    assert ckpt.manifest.tensors["model.norm.weight"].dtype == "float32"  # master weights stay fp32
