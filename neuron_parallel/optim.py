@@ -35,13 +35,6 @@ def param_groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_deca
     ]
 
 
-def build_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer:
-    groups = param_groups(named_params, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -9,7 +9,6 @@ parameters. Memory stays near the size of the slice being read.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -142,9 +141,3 @@ class HFWeights:
         if offsets is None:
             return sl[:]
         return sl[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
-
-
-def iter_local_tensors(named: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, list[int], list[int]]]:
-    for name, t in named.items():
-        local, gshape, offsets = local_view(t)
-        yield name, local, gshape, offsets
