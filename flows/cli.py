@@ -105,7 +105,8 @@ def cmd_validate(args) -> int:
 def cmd_consolidate(args) -> int:
     from neuron_parallel.checkpoint import consolidate_checkpoint
 
-    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size)
+    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size,
+                                 model_dir=args.model_dir)
     print(f"consolidated: {out}")
     return 0
 
@@ -133,11 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--quick", action="store_true", help="sizes only, no checksums or tensor reads")
     p.set_defaults(fn=cmd_validate)
-    p = sub.add_parser("consolidate", help="write a Hugging Face model directory from a checkpoint")
+    p = sub.add_parser("consolidate", help="write a Hugging Face model directory from a checkpoint (ours, or "
+                       "optimum-neuron / neuronx-distributed)")
     p.add_argument("checkpoint", help="run dir (newest complete checkpoint), checkpoint dir, or its shards/")
     p.add_argument("output")
     p.add_argument("-f", "--format", choices=["safetensors", "pytorch"], default="safetensors")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--model-dir", metavar="DIR", help="Hugging Face model dir whose config, generation config and "
+                   "tokenizer are copied (default: the checkpoint's own; for optimum-neuron checkpoints, the "
+                   "checkpoint dir or its parent)")
     p.set_defaults(fn=cmd_consolidate)
     p = sub.add_parser("make-tiny", help="build a tiny Llama, tokenizer and corpus with no network")
     p.add_argument("dir")

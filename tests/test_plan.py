@@ -3,7 +3,7 @@
 import pytest
 
 from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
-from neuron_parallel.plan import check_plan, count_parameters
+from neuron_parallel.plan import check_plan
 
 
 def job(model, **parallel):
@@ -14,7 +14,6 @@ def job(model, **parallel):
 
 
 def test_plan_accepts_dp_and_counts_parameters(tiny_world):
-    import torch
     from transformers import AutoModelForCausalLM
 
     plan = check_plan(job(tiny_world["model"], world=2))

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from .format import HF_FILES, resolve_checkpoint
-from .neuronx import NeuronxCheckpoint, find_neuronx_checkpoint
+from .neuronx import NeuronxCheckpoint
+from .neuronx_layout import find_neuronx_checkpoint
 from .tensors import CheckpointTensors, _numel, dtype_from_name
 from .validate import validate_checkpoint
 
@@ -120,8 +121,9 @@ def _write_safetensors(path: Path, items, source: TensorSource) -> int:
         f.write(raw)
         for name, shape, dtype in items:
             t = _read_checked(source, name, shape, dtype)
-            # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian).
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
+            # handed to write() as a buffer rather than copied into a bytes object first.
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t
         f.flush()
         os.fsync(f.fileno())

@@ -29,249 +29,27 @@ permutation of the GQA QKV layer) follow the metadata the trainer wrote.
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .format import HF_FILES
-
-SHARDS_DIRS = ("shards", "tensor_parallel_shards")
-DONE = "done"
-_TRAINER_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
-_LEGACY_NAME = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)(?:_dp_rank_(\d+))?$")
-_METADATA = re.compile(r"^mp_metadata_pp_rank_(\d+)\.(json|pt)$")
-
-
-class _TensorReference:
-    """Stand-in for ``torch_xla.utils.serialization.TensorReference``: the id of a tensor file."""
-
-    def __setstate__(self, state: dict) -> None:
-        tid = state.get("tid") if isinstance(state, dict) else None
-        if not isinstance(tid, int):
-            raise ValueError(f"xser tensor reference without an integer id: {state!r}")
-        self.tid = tid
-
-
-_XSER_GLOBALS = [(_TensorReference, "torch_xla.utils.serialization.TensorReference")]
-
-
-def _load(path: Path, *, mmap: bool) -> Any:
-    """``torch.load`` with ``weights_only=True`` (and mmap where the file format allows it)."""
-    with torch.serialization.safe_globals(_XSER_GLOBALS):
-        if mmap:
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:  # pre-zipfile torch.save format: cannot be mapped
-                if "mmap" not in str(e):
-                    raise
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _looks_neuronx(shards: Path) -> bool:
-    if not shards.is_dir() or (shards.parent / "manifest.json").exists():
-        return False
-    if (shards / "model").is_dir() or any(_METADATA.match(p.name) for p in shards.iterdir()):
-        return True
-    for p in shards.iterdir():
-        if _LEGACY_NAME.match(p.name) and (p.is_file() or (p / "checkpoint.pt").is_file()):
-            return True
-    return False
-
-
-def find_neuronx_checkpoint(path: str | Path) -> Path | None:
-    """The shards folder of the optimum-neuron / neuronx-distributed checkpoint at ``path`` (the
-    folder itself, the checkpoint dir holding it, or a run dir → its newest ``checkpoint-<step>``
-    with ``shards/done``), or None when ``path`` is not one."""
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    if p.name in SHARDS_DIRS:
-        return p if _looks_neuronx(p) else None
-    for name in SHARDS_DIRS:
-        if _looks_neuronx(p / name):
-            return p / name
-    steps = []
-    for c in p.iterdir():
-        m = re.fullmatch(r"checkpoint-(\d+)", c.name)
-        if m and c.is_dir() and _looks_neuronx(c / "shards") and (c / "shards" / DONE).is_file():
-            steps.append((int(m.group(1)), c / "shards"))
-    return max(steps)[1] if steps else None
-
-
-class _RankFile:
-    """One rank's state dict: names, shapes and dtypes up front; data memory-mapped on use."""
-
-    def __init__(self, path: Path, *, xser: bool, legacy: bool) -> None:
-        self.path, self.xser = path, xser
-        obj = _load(path, mmap=True)
-        self.extra = obj if legacy else {}
-        state = obj.get("model", obj) if legacy and isinstance(obj, dict) else obj
-        if not isinstance(state, dict):
-            raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
-        self.state = state
-        self._meta: dict[str, tuple[list[int], torch.dtype]] = {}
-        info = Path(str(path) + ".info.pt")
-        self._info = _load(info, mmap=False) if xser and info.is_file() else {}
-
-    @property
-    def tensors_dir(self) -> Path:
-        return Path(str(self.path) + ".tensors")
-
-    def keys(self) -> list[str]:
-        return [k for k, v in self.state.items() if isinstance(v, (torch.Tensor, _TensorReference))]
-
-    def missing_tensor_files(self) -> list[Path]:
-        refs = [v for v in self.state.values() if isinstance(v, _TensorReference)]
-        return [f for f in (self.tensors_dir / f"tensor_{r.tid}.pt" for r in refs) if not f.is_file()]
-
-    def meta(self, key: str) -> tuple[list[int], torch.dtype]:
-        if key not in self._meta:
-            v = self.state[key]
-            info = self._info.get(v.tid) if isinstance(v, _TensorReference) else None
-            if isinstance(info, dict) and "shape" in info and "dtype" in info:
-                self._meta[key] = (list(info["shape"]), info["dtype"])
-            else:
-                t = self.get(key)
-                self._meta[key] = (list(t.shape), t.dtype)
-        return self._meta[key]
-
-    def get(self, key: str) -> torch.Tensor:
-        v = self.state[key]
-        if isinstance(v, _TensorReference):
-            v = _load(self.tensors_dir / f"tensor_{v.tid}.pt", mmap=True)
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"{self.path}: {key} is a {type(v).__name__}, not a tensor")
-        return v
-
-
-@dataclass(slots=True)
-class _Param:
-    """How one saved parameter is split over the tp ranks of its stage."""
-
-    parallel: bool = False
-    dim: int = 0
-    stride: int = 1
-
-
-@dataclass(slots=True)
-class _Fused:
-    """Several linears fused into one ColumnParallel/RowParallel weight (``gate_up_proj``, MHA
-    ``qkv_proj``): each rank holds ``[piece_0; piece_1; ...]`` along ``axis``, piece i being its
-    share (``dims[i] // tp``) of linear i."""
-
-    key: str
-    outputs: list[str]
-    dims: list[int]
-    axis: int
-    tp: int
-
-
-@dataclass(slots=True)
-class _GQA:
-    """The GQA QKV layer: Q heads permuted across ranks (and the output projection's columns with
-    them), K/V replicated ``kv_mult`` times; one entry per parameter (weight or bias)."""
-
-    sources: tuple[str, ...]  # (fused qkv key,) or (q key, k key, v key)
-    q: str
-    k: str
-    v: str
-    o: str | None  # the output projection weight whose columns follow the Q permutation
-    num_heads: int
-    num_kv_heads: int
-    kv_mult: int
-    q_rows: int | None  # rows of Q in a rank's fused qkv weight
-    kv_rows: int | None
-    permuted: bool
-    tp: int
-
-
-@dataclass
-class _Stage:
-    pp_rank: int
-    ranks: list[_RankFile]
-    params: dict[str, _Param] = field(default_factory=dict)
-    fused: list[_Fused] = field(default_factory=list)
-    gqa: list[_GQA] = field(default_factory=list)
-
-
-def query_head_order(tp: int, tp_rank: int, num_heads: int, num_kv_heads: int, kv_mult: int) -> torch.Tensor:
-    """Global query heads held, in order, by ``tp_rank`` of the GQA QKV layer: the kv heads
-    ``0..num_kv_heads-1`` are laid out ``kv_mult`` times over the ranks, and each rank takes, for
-    each kv head it holds, the next query heads of that kv head's group."""
-    heads_per_rank = num_heads // tp
-    kv_per_rank = num_kv_heads * kv_mult // tp
-    group = num_heads // num_kv_heads
-    q_per_kv = heads_per_rank // kv_per_rank
-    kv_of_slot = torch.arange(num_kv_heads).repeat(kv_mult).repeat_interleave(q_per_kv).chunk(tp)[tp_rank]
-    ranks_per_kv_cycle = num_kv_heads // kv_per_rank
-    offset = torch.arange(0, group, q_per_kv).repeat_interleave(ranks_per_kv_cycle * heads_per_rank).chunk(tp)[tp_rank]
-    return torch.arange(heads_per_rank) % q_per_kv + kv_of_slot * group + offset
-
-
-def _locate_files(shards: Path) -> tuple[str, bool, dict[tuple[int, int], Path], list[str]]:
-    """(layout, xser, {(tp_rank, pp_rank): rank file}, problems)."""
-    files: dict[tuple[int, int], Path] = {}
-    model = shards / "model"
-    if model.is_dir():
-        for p in model.iterdir():
-            m = _TRAINER_FILE.match(p.name)
-            if m and p.is_file() and int(m.group(1)) == 0:
-                files[int(m.group(2)), int(m.group(3))] = p
-        xser = any(p.name.endswith(".pt.tensors") and p.is_dir() for p in model.iterdir())
-        return "trainer", xser, files, []
-    xser = False
-    for p in shards.iterdir():
-        m = _LEGACY_NAME.match(p.name)
-        if not m or int(m.group(3) or 0) != 0:
-            continue
-        if (p / "checkpoint.pt").is_file():
-            files[int(m.group(1)), int(m.group(2))] = p / "checkpoint.pt"
-        elif p.is_file():
-            files[int(m.group(1)), int(m.group(2))] = p
-            xser = True
-    return "legacy", xser, files, []
-
-
-def _find_config(ckpt_dir: Path, model_dir: str | Path | None) -> tuple[Path | None, str | None]:
-    """(folder whose config/tokenizer files to use, or None; the problem when there is none)."""
-    if model_dir is not None:
-        d = Path(model_dir)
-        return (d, None) if (d / "config.json").is_file() else (None, f"{d / 'config.json'}: missing (--model-dir)")
-    for d in (ckpt_dir, ckpt_dir.parent):
-        if (d / "config.json").is_file():
-            return d, None
-    return None, (
-        f"no config.json in {ckpt_dir} or {ckpt_dir.parent}; pass --model-dir DIR (model_dir=...), a Hugging "
-        "Face model directory whose config and tokenizer belong to this checkpoint"
-    )
-
-
-def _vocab_trimmed(name: str, shape: list[int], config: dict) -> list[int]:
-    """Rows a vocab-padded embedding or lm_head holds beyond the config's vocab_size are dropped."""
-    vocab = config.get("vocab_size")
-    if (name == "lm_head.weight" or name.endswith("embed_tokens.weight")) and vocab and shape[0] > vocab:
-        return [vocab, *shape[1:]]
-    return shape
-
-
-def _expected_shapes(config: dict) -> dict[str, list[int]] | None:
-    """Tensor shapes of the Hugging Face model this config describes (built on the meta device),
-    or None where transformers cannot build it (then the check is skipped, not failed)."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        cfg = AutoConfig.for_model(**config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except Exception:  # an architecture transformers does not know: nothing to compare with
-        return None
-    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    if getattr(cfg, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
-    return shapes
+from .neuronx_layout import (
+    DONE,
+    _METADATA,
+    _load,
+    _RankFile,
+    _Param,
+    _Fused,
+    _GQA,
+    _Stage,
+    query_head_order,
+    _locate_files,
+    _find_config,
+    _vocab_trimmed,
+)
+from .validate import expected_shapes
 
 
 _Entry = tuple[str, list[int], torch.dtype, Callable[[], torch.Tensor]]
@@ -292,7 +70,7 @@ class NeuronxCheckpoint:
         self.model_config: dict[str, Any] = json.loads((files_dir / "config.json").read_text()) if files_dir else {}
         if problem:
             self._problems.append(problem)
-        self.layout, self.xser, files, _ = _locate_files(self.shards)
+        self.layout, self.xser, files = _locate_files(self.shards)
         metadata = self._read_metadata() if self.layout == "trainer" else {}
         self.tp, self.pp = self._check_grid(files, metadata)
         self._refuse_if_any()
@@ -327,6 +105,7 @@ class NeuronxCheckpoint:
             m = _METADATA.match(p.name)
             if m and (int(m.group(1)) not in found or m.group(2) == "json"):
                 found[int(m.group(1))] = p
+        self._metadata_files = found
         metadata = {}
         for pp_rank, path in found.items():
             try:
@@ -351,8 +130,9 @@ class NeuronxCheckpoint:
                     self._problems.append(f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})")
         if self.layout == "trainer":
             for p in range(pp):
-                if p not in metadata and not any(str(q).startswith(f"{self.shards}/mp_metadata_pp_rank_{p}.") for q in self._problems):
-                    self._problems.append(f"{self.shards / f'mp_metadata_pp_rank_{p}.json'}: missing (partitioning of pp_rank {p})")
+                if p not in self._metadata_files:
+                    path = self.shards / f"mp_metadata_pp_rank_{p}.json"
+                    self._problems.append(f"{path}: missing (the partitioning of pp_rank {p})")
         return tp, pp
 
     def _rank_path(self, tp_rank: int, pp_rank: int) -> Path:
@@ -362,8 +142,15 @@ class NeuronxCheckpoint:
         return self.shards / name if self.xser else self.shards / name / "checkpoint.pt"
 
     def _build_stage(self, pp_rank: int, paths: list[Path], metadata: Any) -> _Stage:
-        ranks = [_RankFile(p, xser=self.xser, legacy=self.layout == "legacy") for p in paths]
+        ranks = []
+        for path in paths:
+            try:
+                ranks.append(_RankFile(path, xser=self.xser, legacy=self.layout == "legacy"))
+            except Exception as e:  # a damaged or foreign pickle is a finding, not a crash
+                self._problems.append(f"{path}: unreadable ({e})")
         stage = _Stage(pp_rank, ranks)
+        if len(ranks) < len(paths):
+            return stage
         for r in ranks:
             missing = r.missing_tensor_files()
             if missing:
@@ -391,10 +178,11 @@ class NeuronxCheckpoint:
             prefix = group["module_fully_qualified_name"]
             for cls_name, spec in group["specs"]:
                 if spec.get("peft_type"):
-                    self._problems.append(f"{prefix}: {spec['peft_type']} adapter weights are not supported; consolidate the base model")
+                    self._problems.append(f"{prefix}: {spec['peft_type']} adapter weights are not supported")
                     continue
                 if spec.get("tp_size", self.tp) != self.tp:
-                    self._problems.append(f"{prefix}: {cls_name} recorded tp_size={spec['tp_size']}, the rank files say tp={self.tp}")
+                    self._problems.append(
+                        f"{prefix}: {cls_name} recorded tp_size={spec['tp_size']}, the rank files say tp={self.tp}")
                     continue
                 params = ["weight", "bias"] if spec.get("bias") else ["weight"]
                 if cls_name == "FusedLinearsSpec":
@@ -403,7 +191,8 @@ class NeuronxCheckpoint:
                         stage.fused.append(_Fused(
                             key=f"{prefix}.{spec['fused_linear_name']}.{param}",
                             outputs=[f"{prefix}.{n}.{param}" for n in spec["linear_names"]],
-                            dims=[int(d) for d in spec["original_dims"]], axis=0 if param == "bias" else int(axis), tp=self.tp))
+                            dims=[int(d) for d in spec["original_dims"]], axis=0 if param == "bias" else int(axis),
+                            tp=self.tp))
                 elif cls_name == "GQAQKVColumnParallelLinearSpec":
                     qkv = f"{prefix}.{spec['gqa_qkv_projection_name']}"
                     for param in params:
@@ -425,7 +214,7 @@ class NeuronxCheckpoint:
         ``gqa_qkv_metadata`` (GQA names, head counts, kv_size_multiplier; the Q permutation came
         in with ``output_projections_names``)."""
         if "sharded_metadata" not in meta:
-            where = stage.ranks[0].path if self.layout == "legacy" else self.shards / f"mp_metadata_pp_rank_{stage.pp_rank}.*"
+            where = stage.ranks[0].path if self.layout == "legacy" else self._metadata_files[stage.pp_rank]
             self._problems.append(f"{where}: no partitioning metadata (sharded_metadata / parameters)")
             return
         for name, m in meta["sharded_metadata"].items():
@@ -464,7 +253,10 @@ class NeuronxCheckpoint:
                 entries.setdefault(entry[0], entry)  # a weight shared by two stages is written once
         if self.model_config.get("tie_word_embeddings"):
             entries.pop("lm_head.weight", None)
-        expected = _expected_shapes(self.model_config) if self.model_config else None
+        try:
+            expected = expected_shapes(self.model_config) if self.model_config else None
+        except Exception:  # an architecture transformers does not know: nothing to compare with
+            expected = None
         if expected is not None:
             missing = [n for n in expected if n not in entries]
             if missing:
@@ -493,7 +285,7 @@ class NeuronxCheckpoint:
                 continue
             by_key[g.sources[0]] = self._gqa_entries(stage, g)
             consumed.update(g.sources)
-            if g.permuted and g.o is not None and g.o in present:
+            if by_key[g.sources[0]] and g.permuted and g.o is not None and g.o in present:
                 by_key[g.o] = [self._output_entry(stage, g)]
                 consumed.add(g.o)
         out: list[_Entry] = []
@@ -523,7 +315,8 @@ class NeuronxCheckpoint:
     def _fused_entries(self, stage: _Stage, f: _Fused) -> list[_Entry]:
         local, dtype = self._local(stage, f.key)
         if local[f.axis] * f.tp != sum(f.dims) or any(d % f.tp for d in f.dims):
-            self._problems.append(f"{f.key}: fused dim {f.axis} is {local[f.axis]} per rank, metadata says {f.dims} over tp={f.tp}")
+            self._problems.append(
+                f"{f.key}: fused dim {f.axis} is {local[f.axis]} per rank, metadata says {f.dims} over tp={f.tp}")
             return []
         p = stage.params.get(f.key)
         dim = p.dim if p is not None and p.parallel else f.axis
@@ -533,18 +326,16 @@ class NeuronxCheckpoint:
             shape[f.axis] = d // f.tp
             shape[dim] *= f.tp
             narrow = (f.axis, start, d // f.tp)
-            entries.append((name, shape, dtype,
-                            lambda key=f.key, shape=shape, narrow=narrow: self._gather(stage, key, shape, dtype, dim, narrow=narrow)))
+            entries.append((name, shape, dtype, lambda key=f.key, shape=shape, narrow=narrow:
+                            self._gather(stage, key, shape, dtype, dim, narrow=narrow)))
             start += d // f.tp
         return entries
 
     def _gqa_entries(self, stage: _Stage, g: _GQA) -> list[_Entry]:
         tp, heads, kv_heads, mult = g.tp, g.num_heads, g.num_kv_heads, g.kv_mult
-        if g.permuted:
-            orders = [query_head_order(tp, r, heads, kv_heads, mult) for r in range(tp)]
-            if not torch.equal(torch.cat(orders).sort().values, torch.arange(heads)):
-                self._problems.append(f"{g.q}: GQA layout heads={heads} kv_heads={kv_heads} kv_size_multiplier={mult} tp={tp} not supported")
-                return []
+        orders = self._head_orders(g) if g.permuted else None
+        if g.permuted and orders is None:
+            return []
         if len(g.sources) == 1:  # fused: [q; k; v] rows per rank
             local, dtype = self._local(stage, g.sources[0])
             rows = local[0]
@@ -555,15 +346,13 @@ class NeuronxCheckpoint:
             if q_rows + 2 * kv_rows != rows:
                 self._problems.append(f"{g.sources[0]}: {rows} rows per rank, metadata says {q_rows} + 2 × {kv_rows}")
                 return []
-            parts = [(g.sources[0], local, (0, 0, q_rows)), (g.sources[0], local, (0, q_rows, kv_rows)),
-                     (g.sources[0], local, (0, q_rows + kv_rows, kv_rows))]
+            key = g.sources[0]
+            cuts = ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows))
+            parts = [(key, local, dtype, (0, start, n)) for start, n in cuts]
         else:
-            parts = []
-            for key in g.sources:
-                local, dtype = self._local(stage, key)
-                parts.append((key, local, None))
+            parts = [(key, *self._local(stage, key), None) for key in g.sources]
         entries = []
-        for role, (name, (key, local, narrow)) in enumerate(zip((g.q, g.k, g.v), parts)):
+        for role, (name, (key, local, dtype, narrow)) in enumerate(zip((g.q, g.k, g.v), parts)):
             rows = narrow[2] if narrow else local[0]
             shape = [rows * tp, *local[1:]]
             if role:  # K/V: the ranks hold kv_mult copies one after the other; keep the first
@@ -572,19 +361,32 @@ class NeuronxCheckpoint:
                     return []
                 shape[0] //= mult
             if role == 0 and g.permuted:
-                reader = (lambda key=key, shape=shape, narrow=narrow:
+                reader = (lambda key=key, shape=shape, dtype=dtype, narrow=narrow:
                           self._gather_heads(stage, key, shape, dtype, 0, heads, orders, narrow))
             else:
-                reader = lambda key=key, shape=shape, narrow=narrow: self._gather(stage, key, shape, dtype, 0, narrow=narrow)
+                reader = (lambda key=key, shape=shape, dtype=dtype, narrow=narrow:
+                          self._gather(stage, key, shape, dtype, 0, narrow=narrow))
             entries.append((name, shape, dtype, reader))
         return entries
 
+    def _head_orders(self, g: _GQA) -> list[torch.Tensor] | None:
+        try:
+            orders = [query_head_order(g.tp, r, g.num_heads, g.num_kv_heads, g.kv_mult) for r in range(g.tp)]
+            if torch.equal(torch.cat(orders).sort().values, torch.arange(g.num_heads)):
+                return orders
+        except (ZeroDivisionError, IndexError, RuntimeError):
+            pass
+        self._problems.append(f"{g.q}: GQA layout num_heads={g.num_heads} num_kv_heads={g.num_kv_heads} "
+                              f"kv_size_multiplier={g.kv_mult} tp={g.tp} is not one this reader can undo")
+        return None
+
     def _output_entry(self, stage: _Stage, g: _GQA) -> _Entry:
-        p = stage.params.get(g.o, _Param(True, 1))
+        p = stage.params.get(g.o)
+        dim = p.dim if p is not None and p.parallel else 1  # a RowParallelLinear: split over its input
         shape, dtype = self._local(stage, g.o)
-        shape[p.dim] *= g.tp
-        orders = [query_head_order(g.tp, r, g.num_heads, g.num_kv_heads, g.kv_mult) for r in range(g.tp)]
-        return g.o, shape, dtype, lambda: self._gather_heads(stage, g.o, shape, dtype, p.dim, g.num_heads, orders)
+        shape[dim] *= g.tp
+        orders = self._head_orders(g)
+        return g.o, shape, dtype, lambda: self._gather_heads(stage, g.o, shape, dtype, dim, g.num_heads, orders)
 
     # -- reading: each rank's piece copied straight into the output ----------------------------------
     def _gather(self, stage: _Stage, key: str, shape: list[int], dtype: torch.dtype, dim: int | None, *,
@@ -599,8 +401,8 @@ class NeuronxCheckpoint:
             if narrow:
                 local[narrow[0]] = narrow[2]
             block = local[dim] // stride if dim is not None else 0
-            places = [(0, 0)] if dim is None else [
-                (j * block, (j * len(ranks) + r) * block) for j in range(stride) if (j * len(ranks) + r) * block < shape[dim]]
+            places = [(0, 0)] if dim is None else [(j * block, (j * len(ranks) + r) * block) for j in range(stride)]
+            places = [(at, to) for at, to in places if dim is None or to < shape[dim]]
             if not places:
                 continue  # this rank holds only rows beyond the kept ones (K/V copies, vocab padding)
             src = rank.get(key)
