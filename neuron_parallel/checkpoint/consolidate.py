@@ -13,6 +13,7 @@ safetensors pieces) and optimum-neuron / neuronx-distributed checkpoints (``neur
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -25,9 +26,10 @@ import torch
 from .format import HF_FILES, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
-from .tensors import CheckpointTensors, _numel, dtype_from_name
+from .tensors import CheckpointTensors, dtype_from_name
 from .validate import validate_checkpoint
 
+BLOCK_BYTES = 64 << 20  # rows copied per write: memory stays near this, not the largest tensor
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -94,6 +96,11 @@ class ManifestSource:
         shape = self._shapes[name]
         return self.tensors.read(name, [0] * len(shape), shape)
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (along dim 0) of the exported tensor."""
+        shape = self._shapes[name]
+        return self.tensors.read(name, [start] + [0] * (len(shape) - 1), [stop - start, *shape[1:]])
+
     def hf_files(self) -> list[Path]:
         return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
 
@@ -106,10 +113,27 @@ def _read_checked(source: TensorSource, name: str, shape: list[int], dtype: torc
     return t
 
 
+def _blocks(source: TensorSource, name: str, shape: list[int], dtype: torch.dtype, block_bytes: int = BLOCK_BYTES):
+    """The tensor in row blocks of about ``block_bytes`` when the source can read rows (ours),
+    else whole; either way in the byte order of the full tensor."""
+    read_rows = getattr(source, "read_rows", None)
+    if read_rows is None or len(shape) == 0:
+        yield _read_checked(source, name, shape, dtype)
+        return
+    row_bytes = max(1, math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size())
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        t = read_rows(name, start, stop)
+        if list(t.shape) != [stop - start, *shape[1:]] or t.dtype != dtype:
+            raise ValueError(f"{name}: read rows {start}:{stop} as {list(t.shape)} {t.dtype}, planned {shape} {dtype}")
+        yield t
+
+
 def _write_safetensors(path: Path, items, source: TensorSource) -> int:
     header, offset = {}, 0
     for name, shape, dtype in items:
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
@@ -120,11 +144,11 @@ def _write_safetensors(path: Path, items, source: TensorSource) -> int:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dtype in items:
-            t = _read_checked(source, name, shape, dtype)
-            # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
-            # handed to write() as a buffer rather than copied into a bytes object first.
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            del t
+            for t in _blocks(source, name, shape, dtype):
+                # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
+                # handed to write() as a buffer rather than copied into a bytes object first.
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del t
         f.flush()
         os.fsync(f.fileno())
     tmp.rename(path)
@@ -139,7 +163,9 @@ def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> Ten
     if shards is not None:
         return NeuronxCheckpoint(shards, model_dir=model_dir)
     ckpt = resolve_checkpoint(path)
-    problems = validate_checkpoint(ckpt, quick=True)
+    # Structure only: files, sizes, coverage. The model-shape check imports transformers and
+    # builds the model on meta, seconds and ~70 MB that streaming itself does not need.
+    problems = validate_checkpoint(ckpt, quick=True, check_model=False)
     if problems:
         raise ValueError(f"refusing to consolidate {ckpt}: " + "; ".join(problems))
     return ManifestSource(ckpt, model_dir)
@@ -164,7 +190,7 @@ def write_hf_dir(source: TensorSource, output_dir: str | Path, *, fmt: str = "sa
     else:
         groups, cur, size = [], [], 0
         for item in plan:
-            nbytes = _numel(item[1]) * torch.empty((), dtype=item[2]).element_size()
+            nbytes = math.prod(item[1]) * torch.empty((), dtype=item[2]).element_size()
             if cur and size + nbytes > limit:
                 groups.append(cur)
                 cur, size = [], 0

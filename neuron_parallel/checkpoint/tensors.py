@@ -9,6 +9,8 @@ parameters. Memory stays near the size of the slice being read.
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 
 import torch
@@ -53,16 +55,54 @@ def _overlap(a_off, a_shape, b_off, b_shape):
     return lo, [h - l for l, h in zip(lo, hi)]
 
 
+class _SafetensorsFile:
+    """Slices of the tensors in one safetensors file, read with ``pread``.
+
+    ``safe_open`` memory-maps the file, and every page a read touches stays mapped, and counted
+    against the process, until the handle closes: streaming a whole checkpoint that way grows
+    to the checkpoint's size. Reading the rows a slice needs into a fresh buffer keeps memory at
+    the slice. The format is an 8-byte little-endian header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}`` and the raw bytes."""
+
+    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32}
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(n))
+        self.data_start = 8 + n
+
+    def read(self, key: str, offsets: list[int], shape: list[int]) -> torch.Tensor:
+        """The box ``[offsets, offsets + shape)`` of tensor ``key``: one read of the rows along
+        dim 0 it spans, then a view of the other dims."""
+        info = self.header[key]
+        dtype = self._DTYPES[info["dtype"]]
+        full = info["shape"]
+        if not full:
+            rows, row_shape, r0 = 1, [], 0
+        else:
+            rows, row_shape, r0 = shape[0], full[1:], offsets[0]
+        row_bytes = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
+        buf = bytearray(rows * row_bytes)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + info["data_offsets"][0] + r0 * row_bytes)
+            f.readinto(buf)
+        t = torch.frombuffer(buf, dtype=dtype).reshape([rows, *row_shape] if full else [])
+        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], shape[1:]))
+        return t[(slice(None), *inner)] if inner else t
+
+
 class _Files:
-    """Open safetensors files on demand and keep the handles (they are mmaps, not copies)."""
+    """Parsed headers of a checkpoint's safetensors files, opened on first use."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._open: dict[str, object] = {}
+        self._open: dict[str, _SafetensorsFile] = {}
 
-    def get(self, rel: str):
+    def get(self, rel: str) -> _SafetensorsFile:
         if rel not in self._open:
-            self._open[rel] = safe_open(str(self.root / rel), framework="pt", device="cpu")
+            self._open[rel] = _SafetensorsFile(self.root / rel)
         return self._open[rel]
 
 
@@ -92,27 +132,19 @@ class CheckpointTensors:
             if box is None:
                 continue
             lo, size = box
-            src = self._files.get(piece.file).get_slice(piece.key)
-            src_idx = tuple(slice(l - p, l - p + n) for l, p, n in zip(lo, piece.offsets, size))
+            src = self._files.get(piece.file).read(piece.key, [l - p for l, p in zip(lo, piece.offsets)], size)
             dst_idx = tuple(slice(l - o, l - o + n) for l, o, n in zip(lo, offsets, size))
-            out[dst_idx] = src[src_idx] if src_idx else src[:]
-            covered += _numel(size)
-        if covered != _numel(shape):
+            out[dst_idx] = src
+            covered += math.prod(size)
+        if covered != math.prod(shape):
             raise ValueError(
                 f"{self.root}: tensor {name} slice offsets={offsets} shape={shape} is covered by "
-                f"{covered} of {_numel(shape)} elements; the checkpoint is missing pieces"
+                f"{covered} of {math.prod(shape)} elements; the checkpoint is missing pieces"
             )
         return out
 
     def pieces(self, name: str) -> list[Piece]:
         return self.manifest.tensors[name].pieces
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class HFWeights:
@@ -137,7 +169,8 @@ class HFWeights:
         return name in self.where
 
     def read(self, name: str, offsets: list[int] | None = None, shape: list[int] | None = None) -> torch.Tensor:
-        sl = self._files.get(self.where[name]).get_slice(name)
+        f = self._files.get(self.where[name])
         if offsets is None:
-            return sl[:]
-        return sl[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+            shape = f.header[name]["shape"]
+            offsets = [0] * len(shape)
+        return f.read(name, offsets, shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -10,16 +11,17 @@ from safetensors import safe_open
 
 from .format import COMPLETE, MANIFEST, Manifest, resolve_checkpoint
 from .save import sha256_file
-from .tensors import _numel
 
 
-def validate_checkpoint(path: str | Path, *, quick: bool = False) -> list[str]:
+
+def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: bool = True) -> list[str]:
     """Problems with the checkpoint at ``path`` (a run dir, checkpoint dir or its shards/);
     an empty list means valid.
 
     Always: COMPLETE and manifest present, every file named exists with the right size, every
     tensor's pieces lie inside its global shape and cover it exactly once. Unless ``quick``:
     sha256 of every file, each piece's stored shape and dtype, and no NaN/Inf in any tensor.
+    With ``check_model``, every tensor's global shape against the model its config describes.
     """
     try:
         ckpt = resolve_checkpoint(path)
@@ -59,13 +61,14 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False) -> list[str]:
                 o < 0 or o + n > g for o, n, g in zip(p.offsets, p.shape, entry.shape)
             ):
                 problems.append(f"{ckpt / p.file}: {name} slice {p.offsets}+{p.shape} lies outside {entry.shape}")
-            total += _numel(p.shape)
-        if total != _numel(entry.shape) or _pieces_overlap(entry.pieces):
+            total += math.prod(p.shape)
+        if total != math.prod(entry.shape) or _pieces_overlap(entry.pieces):
             problems.append(
-                f"{name}: pieces cover {total} elements of {_numel(entry.shape)} "
+                f"{name}: pieces cover {total} elements of {math.prod(entry.shape)} "
                 f"(global shape {entry.shape}); every element must be covered exactly once"
             )
-    problems += _check_against_model(ckpt, manifest)
+    if check_model:
+        problems += _check_against_model(ckpt, manifest)
     if quick:
         return problems
     problems += _check_contents(ckpt, manifest, bad_files)

@@ -1,0 +1,209 @@
+"""The hardware the planner can place a job on: one ``HardwareSpec`` per kind of node.
+
+Peaks and memory come from /work/shared/FACTS.md ("Hardware peaks (dense bf16)"). FACTS has no
+interconnect figures, so bandwidths come from the vendors' public specifications, each cited
+where it is set; they are nominal link rates, and the planner's step-time model is only as good
+as they are. ``efficiency`` (the fraction of the bf16 peak a large matmul reaches) and
+``reserved_bytes`` (runtime, collective-library buffers) are planning assumptions, stated as
+such.
+
+More kinds load from YAML (``load_hardware``; keys are the ``HardwareSpec`` field names, sizes
+in bytes or with a GiB/GB/TB suffix); ``get_hardware`` accepts a catalog name or a YAML path.
+The ``cpu`` kind describes this machine: one rank per core, memory from the OS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+GB = 10**9
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """One kind of node: what a rank gets and how fast ranks talk to each other."""
+
+    name: str
+    ranks_per_node: int
+    """Processes (torchrun ``--nproc_per_node``) per node: one per GPU or logical NeuronCore."""
+    memory_per_rank: int
+    """Device memory one rank can address, bytes."""
+    peak_flops_per_rank: float
+    """Dense bf16 FLOP/s of one rank (the MFU denominator)."""
+    intra_node_bw: float
+    """Collective bus bandwidth per rank inside a node, bytes/s."""
+    inter_node_bw: float
+    """Network bandwidth of one node (shared by its ranks), bytes/s."""
+    device: str
+    """torch device type: cpu, cuda or neuron."""
+    backend: str = ""
+    """torch.distributed backend; follows from ``device`` when empty."""
+    efficiency: float = 0.4
+    """Fraction of ``peak_flops_per_rank`` a large matmul reaches (planning assumption)."""
+    reserved_bytes: int = 0
+    """Device memory the runtime and collective libraries keep for themselves."""
+    allocator_margin: float = 0.10
+    """Fragmentation headroom added on top of the predicted tensor bytes."""
+    planning_only: bool = False
+    """True where this project cannot run (no TorchNeuron backend): plans are for reference."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_BACKENDS:
+            raise ValueError(f"hardware {self.name}: device {self.device!r} is not one of {sorted(DEVICE_BACKENDS)}")
+        if not self.backend:
+            object.__setattr__(self, "backend", DEVICE_BACKENDS[self.device])
+        for field in ("ranks_per_node", "memory_per_rank", "peak_flops_per_rank", "intra_node_bw", "inter_node_bw"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"hardware {self.name}: {field} must be > 0, got {getattr(self, field)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"hardware {self.name}: efficiency must lie in (0, 1], got {self.efficiency}")
+
+    def with_ranks(self, ranks_per_node: int) -> "HardwareSpec":
+        """The same kind with another rank count per node; for ``cpu`` the OS memory is re-split."""
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        memory = self.memory_per_rank
+        if self.device == "cpu":
+            memory = self.memory_per_rank * self.ranks_per_node // ranks_per_node
+        return dataclasses.replace(self, ranks_per_node=ranks_per_node, memory_per_rank=memory)
+
+
+# Trainium: FACTS gives per-chip bf16 peaks and memory; ranks are logical NeuronCores.
+# NeuronLink and EFA rates: AWS Neuron architecture pages (trn1-arch: NeuronLink-v2 384 GiB/s per
+# device, EFA 800 Gbps on trn1.32xlarge; trn2-arch: 16 chips in a 4x4 torus, NeuronLink-v3 about
+# 1 TB/s per chip, EFAv3 3.2 Tbps per trn2.48xlarge; trainium3 page: NeuronLink-v4 2.56 TB/s per
+# device, 16 chips per Trn3 Gen1 server). Per-rank bus bandwidth = per-chip link rate / ranks per
+# chip. Trn3's EFA rate is not published there: 3.2 Tbps as on trn2 is an assumption.
+# efficiency 0.40 for Trainium is an assumption; bench/planner.py compares the resulting
+# tokens/s with the published NxD anchors of FACTS.md.
+_CATALOG: dict[str, HardwareSpec] = {}
+
+
+def register_hardware(spec: HardwareSpec) -> HardwareSpec:
+    """Add (or replace) a kind in the catalog; returns it."""
+    _CATALOG[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    HardwareSpec(
+        name="trn1.32xlarge", ranks_per_node=32, memory_per_rank=16 * GiB, peak_flops_per_rank=95e12,
+        intra_node_bw=384 * GiB / 2, inter_node_bw=800e9 / 8, device="neuron", efficiency=0.40,
+        reserved_bytes=1 * GiB, planning_only=True,
+        source="FACTS.md (190 TFLOP/s, 32 GiB per chip, 2 cores); AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
+               "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
+    ),
+    HardwareSpec(
+        name="trn2.48xlarge", ranks_per_node=64, memory_per_rank=24 * GiB, peak_flops_per_rank=667e12 / 4,
+        intra_node_bw=1e12 / 4, inter_node_bw=3.2e12 / 8, device="neuron", efficiency=0.40,
+        reserved_bytes=1 * GiB,
+        source="FACTS.md (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); AWS trn2-arch (NeuronLink-v3, "
+               "EFAv3 3.2 Tbps)",
+    ),
+    HardwareSpec(
+        name="trn3", ranks_per_node=64, memory_per_rank=36 * GiB, peak_flops_per_rank=671e12 / 4,
+        intra_node_bw=2.56e12 / 4, inter_node_bw=3.2e12 / 8, device="neuron", efficiency=0.40,
+        reserved_bytes=1 * GiB,
+        source="FACTS.md (671 TFLOP/s, 144 GiB per chip); AWS trainium3 page (8 NeuronCore-v4 per chip, so 4 "
+               "ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
+    ),
+    # NVIDIA: H100 SXM / H200 peaks and memory from FACTS. NVLink 4 is 900 GB/s bidirectional per
+    # GPU (450 GB/s each way, NVIDIA H100 datasheet); p5.48xlarge and p5en.48xlarge have 3200 Gbps
+    # of EFA (AWS EC2 P5 page). efficiency 0.55: FACTS gives 39-48% MFU end to end (torchtitan,
+    # Megatron, LLM Foundry), so the matmuls alone must run somewhat above that.
+    HardwareSpec(
+        name="p5.48xlarge", ranks_per_node=8, memory_per_rank=80 * GB, peak_flops_per_rank=989e12,
+        intra_node_bw=450e9, inter_node_bw=3.2e12 / 8, device="cuda", efficiency=0.55, reserved_bytes=2 * GiB,
+        source="FACTS.md (H100 SXM 989 TFLOP/s, 80 GB); NVIDIA H100 datasheet (NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
+    ),
+    HardwareSpec(
+        name="h200x8", ranks_per_node=8, memory_per_rank=141 * GB, peak_flops_per_rank=989e12,
+        intra_node_bw=450e9, inter_node_bw=3.2e12 / 8, device="cuda", efficiency=0.55, reserved_bytes=2 * GiB,
+        source="FACTS.md (H200 989 TFLOP/s, 141 GB); NVIDIA H200 datasheet (NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
+    ),
+):
+    register_hardware(_spec)
+_ALIASES = {"trn1": "trn1.32xlarge", "trn2": "trn2.48xlarge", "p5": "p5.48xlarge", "h100x8": "p5.48xlarge",
+            "p5en.48xlarge": "h200x8", "h200": "h200x8"}
+
+
+def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
+    """This machine: one rank per core (or ``ranks_per_node``), the physical memory split evenly.
+
+    No figure here comes from FACTS: the peak is nominal (cores × 2.5 GHz × 32 fp32 FLOP/cycle for
+    AVX2 FMA), gloo over loopback is taken as ~2 GB/s per rank. Good for relative ranking only.
+    """
+    cores = os.cpu_count() or 1
+    ranks = ranks_per_node or cores
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * GiB  # no sysconf (non-POSIX): a conservative guess
+    return HardwareSpec(
+        name="cpu", ranks_per_node=ranks, memory_per_rank=total // ranks, peak_flops_per_rank=2.5e9 * 32 * cores / ranks,
+        intra_node_bw=2e9, inter_node_bw=1.25e9, device="cpu", efficiency=0.5, reserved_bytes=0, allocator_margin=0.0,
+        source="this machine: os.cpu_count() ranks, physical memory from sysconf; nominal AVX2 peak",
+    )
+
+
+_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*(GiB|GB|TiB|TB|MiB|MB)?\s*$")
+_UNITS = {None: 1, "MiB": 1 << 20, "MB": 10**6, "GiB": GiB, "GB": GB, "TiB": 1 << 40, "TB": 10**12}
+
+
+def _number(value) -> float:
+    if isinstance(value, (int, float)):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a number; write e.g. 16GiB, 400e9 or 1.5TB")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def load_hardware(path: str | Path, *, register: bool = True) -> HardwareSpec:
+    """Read a ``HardwareSpec`` from YAML (field names as keys) and, by default, add it to the catalog."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    fields = {f.name for f in dataclasses.fields(HardwareSpec)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown hardware keys {unknown}; valid keys: {sorted(fields)}")
+    for key in ("memory_per_rank", "reserved_bytes"):
+        if key in data:
+            data[key] = int(_number(data[key]))
+    for key in ("peak_flops_per_rank", "intra_node_bw", "inter_node_bw"):
+        if key in data:
+            data[key] = float(_number(data[key]))
+    data.setdefault("name", Path(path).stem)
+    spec = HardwareSpec(**data)
+    return register_hardware(spec) if register else spec
+
+
+def hardware_names() -> list[str]:
+    """Every kind ``get_hardware`` knows by name."""
+    return sorted([*_CATALOG, "cpu"])
+
+
+def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) -> HardwareSpec:
+    """A catalog kind by name (or alias), ``cpu``, or a YAML file path; ``ranks_per_node``
+    overrides the kind's rank count (e.g. ``get_hardware("cpu", 2)``)."""
+    if isinstance(kind, HardwareSpec):
+        spec = kind
+    elif kind == "cpu":
+        return cpu_hardware(ranks_per_node)
+    elif kind.endswith((".yaml", ".yml")) or os.sep in kind:
+        spec = load_hardware(kind)
+    else:
+        name = _ALIASES.get(kind, kind)
+        if name not in _CATALOG:
+            raise ValueError(f"unknown hardware {kind!r}; use one of {hardware_names()} or a YAML file "
+                             "(see neuron_parallel.hardware.load_hardware)")
+        spec = _CATALOG[name]
+    return spec.with_ranks(ranks_per_node) if ranks_per_node else spec

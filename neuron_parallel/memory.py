@@ -1,0 +1,329 @@
+"""What one rank holds while training a Llama-family model: a model of peak memory per rank.
+
+The model is of *this* library's engine (``neuron_parallel.engine``), tensor by tensor:
+
+* model states (``STATES``): ``fp32`` is what the engine keeps today: fp32 parameters and
+  gradients (4 + 4 bytes/param) and AdamW's fp32 ``exp_avg``/``exp_avg_sq`` (8), the 8 sharded
+  by ZeRO-1. ``bf16`` is the mixed precision of FACTS.md (ZeRO paper): bf16 params + grads
+  (2 + 2) and fp32 master, m, v (12), the 12 sharded: ``4Ψ + 12Ψ/dp``. ``bf16_autocast`` is
+  the engine's ``mixed_precision="bf16"``: fp32 states as ``fp32``, bf16 activations, plus the
+  bf16 weight copies autocast caches for the step (2 bytes/param).
+  ZeRO-1 here is ``torch.distributed.optim.ZeroRedundancyOptimizer``: whole parameters, placed
+  largest first on the least-loaded dp rank, per parameter group (matrices, then vectors);
+  ``zero_partition`` replays that placement exactly.
+* activations saved for backward, per decoder layer and token, read off the autograd graph of
+  Hugging Face's Llama block under sdpa (flash attention on every backend we use, so no
+  ``5as/h`` score term of Korthikanti et al.'s GPT formula) and of our DTensor TP/SP plan; see
+  ``layer_activation_bytes``. Sequence parallelism shards the residual stream and norms, but
+  the all-gathered input of attention and of the MLP is saved whole by the projections
+  (DTensor does not re-gather in backward as Megatron does), so our SP saves ``2h`` per token
+  more than Korthikanti's ``34/t``. Full recompute keeps the layer input only.
+* the loss: three fp32 ``b·s·V/tp`` buffers at the start of backward (log-softmax output, its
+  incoming and its outgoing gradient); a pipeline's last stage also keeps each in-flight
+  microbatch's logits in the stage's forward cache.
+* pipeline buffers: ``torch.distributed.pipelining`` allocates one activation receive buffer
+  and one gradient receive buffer per microbatch, for the whole run; 1F1B keeps ``p - r``
+  microbatches in flight on pp rank ``r``, GPipe all ``m``, interleaved 1F1B
+  ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
+* transients: a layer's backward (three ``b·s·i/tp`` MLP gradients), a recomputed layer, the
+  dp all-reduce bucket (``optim.all_reduce_grads``: up to 32 MiB, or the largest grad), AdamW's
+  per-parameter temporaries (``sqrt`` and the division: 2 × the largest owned parameter).
+
+Gradients are freed after every step (``zero_grad(set_to_none=True)``), so with one micro-batch
+and no pipeline they grow while activations are released in backward: the peak is then the
+larger of "all activations + the head's grads" and "all grads + reduction or optimizer
+temporaries". With accumulation or a pipeline, grads of earlier microbatches coexist with
+in-flight activations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+GiB = 1 << 30
+BUCKET_BYTES = 32 << 20  # neuron_parallel.optim.all_reduce_grads default bucket
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Bytes per parameter and per activation element of one precision mode."""
+
+    param: int
+    grad: int
+    sharded: int  # optimizer state (and fp32 master weights) that ZeRO-1 splits over dp
+    act: int  # matmul outputs and the residual stream
+    cast_cache: int = 0  # autocast's low-precision weight copies, alive through the step
+
+
+STATES = {
+    "fp32": StateBytes(param=4, grad=4, sharded=8, act=4),
+    "bf16": StateBytes(param=2, grad=2, sharded=12, act=2),
+    "bf16_autocast": StateBytes(param=4, grad=4, sharded=8, act=2, cast_cache=2),
+}
+
+
+def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, precision: str = "bf16") -> float:
+    """Parameter + gradient + optimizer bytes for ``num_params`` on one rank (ZeRO paper formula)."""
+    st = STATES[precision]
+    return num_params * (st.param + st.grad + st.cast_cache) + num_params * st.sharded / (dp if zero_1 else 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The numbers of a Llama-family config.json that size a training run."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """From a config.json path (or its directory), a dict, or a ``PretrainedConfig``; weights
+        are never read."""
+        if isinstance(config, ModelShape):
+            return config
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            if not path.is_file():
+                raise ValueError(f"no config.json at {config}; pass a model directory, its config.json or a dict")
+            name, config = str(config), json.loads(path.read_text())
+        else:
+            name = getattr(config, "name_or_path", "") if not isinstance(config, dict) else config.get("_name_or_path", "")
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if get(k) is None]
+        if missing:
+            raise ValueError(f"model config lacks {missing}; the planner needs a Llama-family config.json")
+        heads = get("num_attention_heads")
+        return cls(
+            hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"), num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads, intermediate_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"), head_dim=get("head_dim") or get("hidden_size") // heads,
+            # Llama, Mistral and Qwen configs default to untied when the key is absent.
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)), name=str(name or ""),
+        )
+
+    def as_config(self) -> SimpleNamespace:
+        """Attribute view with Hugging Face names (for ``neuron_parallel.plan.count_parameters``)."""
+        return SimpleNamespace(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                               num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                               intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                               head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings)
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_parameters(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embed + self.hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, FACTS.md: ``6·N_non_embedding + 12·L·H·Q·T`` (N counts every
+        matmul weight, the lm_head included, but not the input embedding lookup)."""
+        n = self.num_layers * self.layer_params + self.vocab_size * self.hidden_size + self.hidden_size
+        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+
+def local_kv_heads(kv_heads: int, tp: int) -> int:
+    """KV heads one tp rank holds: ``kv/tp``, or 1 replicated head when tp > kv."""
+    return max(1, kv_heads // tp)
+
+
+def stage_params(shape: ModelShape, tp: int, n_layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+    """(local numel, is_matrix) of every parameter one stage holds on a tp rank, in the order of
+    ``CausalLMStage.named_parameters`` (embedding, layers, final norm, lm_head)."""
+    h, d, i, V = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
+    q, kv = shape.num_heads * d // tp, local_kv_heads(shape.num_kv_heads, tp) * d
+    layer = [(q * h, True), (kv * h, True), (kv * h, True), (h * q, True),
+             (i // tp * h, True), (i // tp * h, True), (h * i // tp, True), (h, False), (h, False)]
+    out = [(V // tp * h, True)] if first else []
+    out += layer * n_layers
+    if last:
+        out.append((h, False))
+        if not (first and shape.tie_word_embeddings):  # one module holding both: one Parameter
+            out.append((V // tp * h, True))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[int, int], ...]:
+    """Per dp rank (owned numel, largest owned numel) under ``ZeroRedundancyOptimizer``'s greedy
+    placement: per param group (matrices, then vectors), largest first, onto the least-loaded
+    rank (lowest index on ties), the loads carried across groups."""
+    loads = [0] * dp
+    largest = [0] * dp
+    for group in ([n for n, m in sizes if m], [n for n, m in sizes if not m]):
+        heap = [(load, r) for r, load in enumerate(loads)]
+        heapq.heapify(heap)
+        for n in sorted(group, reverse=True):
+            load, r = heapq.heappop(heap)
+            loads[r] = load + n
+            largest[r] = max(largest[r], n)
+            heapq.heappush(heap, (loads[r], r))
+    return tuple(zip(loads, largest))
+
+
+def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
+    """Largest flat buffer ``optim.all_reduce_grads`` concatenates, in bytes (sizes in bytes)."""
+    best = size = 0
+    for n in sizes:
+        if size and size + n > cap:
+            best, size = max(best, size), 0
+        size += n
+    return max(best, size)
+
+
+def norm_bytes(h: int, tp: int, sp: bool, act: int) -> float:
+    """Per token, one RMSNorm (HF computes it in fp32) and the block input it feeds: the fp32
+    normalised tensor (plus the fp32 copy of the input and its cast back when activations are not
+    fp32), seq-sharded under SP, and the input of the next projections, whole (under SP the
+    all-gathered copy, the local norm output being freed)."""
+    seq = tp if sp else 1
+    internal = 4 + (4 + act if act != 4 else 0)
+    return h * internal / seq + h * act
+
+
+def layer_activation_bytes(shape: ModelShape, tp: int, sp: bool, act: int) -> dict[str, float]:
+    """Bytes per token one decoder layer saves for backward, by tensor group (see module doc)."""
+    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    seq = tp if sp else 1
+    q = shape.num_heads * d / tp
+    kv = local_kv_heads(shape.num_kv_heads, tp) * d
+    return {
+        "residual": 2 * h * act / seq,  # inputs of the attention and MLP blocks
+        "norms": 2 * norm_bytes(h, tp, sp, act),
+        # rotary q and k, v, the sdpa output and its contiguous copy; fp32 log-sum-exp per head
+        "attention": (3 * q + 2 * kv) * act + 4 * shape.num_heads / tp,
+        "mlp": 4 * i / tp * act,  # gate, up, silu(gate), silu(gate)*up
+    }
+
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers", "transient", "comm_buffers")
+
+
+@dataclass(slots=True)
+class StageMemory:
+    """Predicted peak tensor bytes of one rank, by component (``total`` sums them); ``phase`` is
+    where the peak falls: ``backward`` (activations live) or ``step`` (reduction/optimizer);
+    ``numel`` counts the rank's parameters."""
+
+    params: float = 0
+    grads: float = 0
+    optimizer: float = 0
+    activations: float = 0
+    loss: float = 0
+    pipeline_buffers: float = 0
+    transient: float = 0
+    comm_buffers: float = 0
+    phase: str = "backward"
+    numel: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in COMPONENTS)
+
+    def as_dict(self) -> dict:
+        out: dict = {k: int(getattr(self, k)) for k in COMPONENTS}
+        out.update(total=int(self.total), phase=self.phase, param_numel=self.numel)
+        return out
+
+
+def inflight_chunks(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> int:
+    """Model chunks (a stage's layers for one microbatch) whose activations pp rank ``rank``
+    holds at once, from the warm-up counts of torch's schedules."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - rank)
+    if schedule == "interleaved_1f1b":
+        per_round = m // max(1, m // pp)
+        return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - rank) + 1)
+    raise ValueError(f"no memory model for pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
+
+
+def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, sp: bool, recompute: int,
+                 micro_batch: int, seq_len: int, num_microbatches: int, grad_accum: int, schedule: str,
+                 virtual_stages: int, precision: str, pp_rank: int, layers: list[int], dp_rank: int | None = None,
+                 ) -> StageMemory:
+    """Peak tensor bytes on pp rank ``pp_rank`` (dp rank ``dp_rank``; default the most loaded).
+
+    ``micro_batch`` is the pipeline microbatch (sequences per stage forward), ``layers`` the
+    layer count of every stage (``pp × virtual_stages`` entries), ``recompute`` the engine's
+    every-k-th-layer checkpointing (0 = off)."""
+    st = STATES[precision]
+    n_stages, v, m = pp * virtual_stages, virtual_stages, num_microbatches
+    ids = [pp_rank + c * pp for c in range(v)]
+    sizes = []
+    for sid in ids:
+        sizes += stage_params(shape, tp, layers[sid], sid == 0, sid == n_stages - 1)
+    numel = sum(n for n, _ in sizes)
+    part = zero_partition(tuple(sizes), dp) if zero_1 and dp > 1 else ((numel, max(n for n, _ in sizes)),)
+    owned, largest = part[dp_rank] if dp_rank is not None else max(part)
+    states = dict(params=numel * (st.param + st.cast_cache), optimizer=owned * st.sharded, numel=numel)
+
+    tokens = micro_batch * seq_len
+    h, V, seq = shape.hidden_size, shape.vocab_size, tp if sp else 1
+    per_layer = sum(layer_activation_bytes(shape, tp, sp, st.act).values())
+    boundary = tokens * h * st.act / seq  # one microbatch crossing a stage boundary
+    first, last = 0 in ids, n_stages - 1 in ids
+    chunk = []
+    for sid in ids:
+        n = layers[sid]
+        saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
+        # a checkpointed layer keeps its input only; a later stage's input is its receive buffer
+        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.act / seq) - (boundary if sid else 0))
+    live = inflight_chunks(schedule, pp, pp_rank, m, v)
+    activations = live * sum(chunk) / v + (tokens * 16 if first else 0)  # + int64 ids and labels
+    loss = 0.0
+    if last:
+        activations += tokens * norm_bytes(h, tp, sp, st.act)  # final norm, the lm_head input
+        logits = tokens * V / tp * 4
+        live_last = m if schedule == "gpipe" and pp > 1 else 1
+        # three fp32 buffers at the start of backward; other in-flight microbatches' saved
+        # log-softmax; a pipeline stage's forward cache keeps every in-flight logits tensor
+        loss = 3 * logits + (live_last - 1) * logits + (live_last * logits if pp > 1 else 0)
+    pipeline = 0.0
+    if pp > 1:
+        recv_act = sum(1 for sid in ids if sid > 0) * m * boundary
+        recv_grad = sum(1 for sid in ids if sid < n_stages - 1) * m * boundary
+        fwd_cache = live * boundary if not (last and v == 1) else 0
+        pipeline = recv_act + recv_grad + fwd_cache
+
+    # Backward working set of one layer: three b·s·i/tp MLP grads; a recomputed layer is rebuilt.
+    transient = tokens * 3 * shape.intermediate_size / tp * st.act + (tokens * per_layer if recompute else 0)
+    all_grads = numel * st.grad
+    head_grads = (V // tp * h + h) * st.grad if last else 0
+    grads_in_bwd = all_grads if (pp > 1 or grad_accum > 1) else head_grads
+    bwd = StageMemory(**states, grads=grads_in_bwd, activations=activations, loss=loss, pipeline_buffers=pipeline,
+                      transient=transient, phase="backward")
+    bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
+    opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
+    step = StageMemory(**states, grads=all_grads, pipeline_buffers=pipeline, comm_buffers=max(bucket, opt_tmp),
+                       phase="step")
+    return bwd if bwd.total >= step.total else step
+
+
+def even_layer_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage as ``models.causal_lm.split_layers`` makes them (earlier stages take the
+    remainder), without importing torch."""
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} pipeline stages exceed the model's {num_layers} layers")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]

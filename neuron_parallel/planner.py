@@ -1,0 +1,334 @@
+"""Choosing a parallel layout: every (tp, pp, dp, ZeRO-1, SP, recompute, microbatching) split
+of a job, its predicted memory per rank and tokens/s, ranked; and for every rejected split, why.
+
+    report = plan("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
+    report.feasible, report.best.to_parallel_config(), report.plans[0].tokens_per_s
+
+Memory per rank: ``neuron_parallel.memory`` (tensor bytes of the worst pp rank, plus the
+hardware's allocator margin and runtime reserve). Step time, per optimizer step:
+
+* compute: FLOPs of FACTS.md (``6N + 12·L·H·Q·T`` per token; a recomputed layer adds its forward,
+  a third of its training FLOPs) at ``peak × efficiency`` of the hardware kind;
+* tensor parallelism: per layer and microbatch 4 collectives of ``b·s·h`` elements (6 with
+  recompute), ring cost ``2(t-1)/t``, on the node's links (TP never leaves a node);
+* pipeline: ``(m + (p-1)/v)`` microbatch slots of the slowest stage (bubble ``(p-1)/(m+p-1)``,
+  interleaved ``(p-1)/(v·m)``), plus the boundary sends; the network when a pp group spans nodes;
+* data parallelism: the engine reduces gradients after backward without overlap: a ring
+  all-reduce ``2(d-1)/d`` of the gradient bytes (ZeRO-1 adds the updated parameters' broadcast,
+  ``(d-1)/d``); across nodes each node's network carries one ring per co-located replica.
+
+Nothing here imports torch: planning a 70B model on 1024 ranks takes about a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .hardware import HardwareSpec, get_hardware
+from .memory import GiB, STATES, ModelShape, even_layer_split, model_states_bytes, stage_memory
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One layout considered for the job, fitting or not."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_1: bool = False
+    sequence_parallel: bool = False
+    num_microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    activation_checkpointing: int = 0
+    micro_batch_size: int = 1
+    """Sequences per dp rank per forward/backward (``train.micro_batch_size``)."""
+    grad_accum: int = 1
+    precision: str = "bf16"
+    valid: bool = True
+    fits: bool = False
+    memory_per_rank_bytes: int | None = None
+    memory: dict = field(default_factory=dict)
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    step_time_s: float | None = None
+    time: dict = field(default_factory=dict)
+    reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_parallel_config(self):
+        """This layout as the engine's ``ParallelConfig`` (``mixed_precision`` fp32 for ``fp32``,
+        bf16 otherwise)."""
+        from .config import ParallelConfig
+
+        return ParallelConfig(
+            tp=self.tp, pp=self.pp, dp=self.dp, zero_1=self.zero_1, sequence_parallel=self.sequence_parallel,
+            num_microbatches=self.num_microbatches, pipeline_schedule=self.pipeline_schedule,
+            virtual_stages=self.virtual_stages, activation_checkpointing=self.activation_checkpointing,
+            mixed_precision="fp32" if self.precision == "fp32" else "bf16",
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        parts += ["zero1"] * self.zero_1 + ["sp"] * self.sequence_parallel + ["recompute"] * bool(self.activation_checkpointing)
+        if self.pp > 1:
+            parts.append(f"{self.pipeline_schedule}×{self.num_microbatches}")
+        return " ".join(parts) + f" mbs={self.micro_batch_size} accum={self.grad_accum}"
+
+
+@dataclass(slots=True)
+class PlanReport:
+    """Every candidate, best first: fitting ones by predicted tokens/s, then those that do not fit
+    (least memory first), then invalid splits."""
+
+    model: ModelShape
+    hardware: HardwareSpec
+    nodes: int
+    seq_len: int
+    global_batch: int
+    precision: str
+    plans: list[Candidate]
+    reason: str | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return any(c.fits for c in self.plans)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.plans[0] if self.feasible else None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.hardware.ranks_per_node
+
+    def to_dict(self) -> dict:
+        return {
+            "feasible": self.feasible, "reason": self.reason, "model": dataclasses.asdict(self.model),
+            "hardware": dataclasses.asdict(self.hardware), "nodes": self.nodes, "world_size": self.world_size,
+            "seq_len": self.seq_len, "global_batch": self.global_batch, "precision": self.precision,
+            "plans": [c.as_dict() for c in self.plans],
+        }
+
+
+def _tp_problems(shape: ModelShape, tp: int, hw: HardwareSpec, seq_len: int) -> list[str]:
+    """Why ``tp`` cannot split this model on this hardware (empty when it can)."""
+    out = []
+    if tp > hw.ranks_per_node or hw.ranks_per_node % tp:
+        out.append(f"tp={tp} does not fit within a {hw.name} node of {hw.ranks_per_node} ranks (TP needs the "
+                   f"node's links); use tp dividing {hw.ranks_per_node}")
+    if shape.num_heads % tp:
+        out.append(f"tp={tp} does not divide the {shape.num_heads} attention heads")
+    kv = shape.num_kv_heads
+    if (tp > kv and tp % kv) or (tp < kv and kv % tp):
+        out.append(f"tp={tp} neither divides nor is a multiple of the {kv} KV heads")
+    if shape.intermediate_size % tp:
+        out.append(f"tp={tp} does not divide intermediate_size={shape.intermediate_size}")
+    if shape.vocab_size % tp:
+        out.append(f"tp={tp} does not divide vocab_size={shape.vocab_size}; pad the vocabulary to a multiple of {tp}")
+    return out
+
+
+def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: int):
+    """Every (zero_1, sp, recompute, schedule, v, m, b, accum) for a valid (tp, pp, dp), or a reason."""
+    for zero in ([False, True] if dp > 1 else [False]):
+        for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
+            for ac in (0, 1):
+                for b in (b for b in MICRO_BATCHES if batch % b == 0):
+                    total = batch // b
+                    if pp == 1:
+                        yield zero, sp, ac, "1f1b", 1, 1, b, total
+                        continue
+                    for sched in SCHEDULES:
+                        v = 2 if sched == "interleaved_1f1b" else 1
+                        if pp * v > shape.num_layers:
+                            continue
+                        for m in sorted({pp, 2 * pp, total}):
+                            if m > total or total % m or (sched != "gpipe" and m < pp):
+                                continue
+                            if sched == "interleaved_1f1b" and m % (m // max(1, m // pp)):
+                                continue
+                            yield zero, sp, ac, sched, v, m, b, total // m
+
+
+def _bw_pp_dp(hw: HardwareSpec, tp: int, pp: int, dp: int) -> tuple[float, float]:
+    """Effective bandwidth of a pp boundary and of a dp ring (bytes/s per rank)."""
+    rpn = hw.ranks_per_node
+    bw_pp = hw.intra_node_bw if tp * pp <= rpn else min(hw.intra_node_bw, hw.inter_node_bw / tp)
+    if tp * pp * dp <= rpn:
+        bw_dp = hw.intra_node_bw
+    else:  # every replica co-located on a node drives one ring through the node's network
+        bw_dp = min(hw.intra_node_bw, hw.inter_node_bw / min(tp * pp, rpn))
+    return bw_pp, bw_dp
+
+
+def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, layers: list[int]) -> dict:
+    """Seconds per optimizer step, by component (see the module docstring)."""
+    st = STATES[c.precision]
+    h, tp, pp, v = shape.hidden_size, c.tp, c.pp, c.virtual_stages
+    b = c.micro_batch_size // c.num_microbatches
+    tokens = b * seq_len
+    rate = hw.peak_flops_per_rank * hw.efficiency
+    f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
+    f_head = 2 * shape.vocab_size * h
+    ring = 2 * (tp - 1) / tp if tp > 1 else 0
+    bw_pp, bw_dp = _bw_pp_dp(hw, tp, pp, c.dp)
+    n_stages = pp * v
+    worst = comm_worst = 0.0
+    for r in range(pp):
+        compute = comm = 0.0
+        for sid in range(r, n_stages, pp):
+            n = layers[sid]
+            rc = sum(1 for j in range(n) if c.activation_checkpointing and j % c.activation_checkpointing == 0)
+            compute += tokens * (f_layer * (3 * n + rc) + (3 * f_head if sid == n_stages - 1 else 0)) / tp / rate
+            comm += (4 * n + 2 * rc + 2 * (sid in (0, n_stages - 1))) * ring * tokens * h * st.act / hw.intra_node_bw
+        if compute + comm > worst + comm_worst:
+            worst, comm_worst = compute, comm
+    p2p = 2 * tokens * h * st.act / (tp if c.sequence_parallel else 1) / bw_pp if pp > 1 else 0.0
+    t_mb = worst + comm_worst + p2p
+    slots = c.num_microbatches + (pp - 1) / v
+    grad_bytes = c.memory["param_numel"] * st.grad
+    ring_dp = 2 * (c.dp - 1) / c.dp
+    dp_s = (ring_dp * grad_bytes + (c.dp - 1) / c.dp * grad_bytes * st.param / st.grad * c.zero_1) / bw_dp
+    return {
+        "compute_s": c.grad_accum * c.num_microbatches * worst,
+        "tp_comm_s": c.grad_accum * c.num_microbatches * comm_worst,
+        "pp_p2p_s": c.grad_accum * c.num_microbatches * p2p,
+        "pp_bubble_s": c.grad_accum * (pp - 1) / v * t_mb,
+        "dp_comm_s": dp_s if c.dp > 1 else 0.0,
+        "total_s": c.grad_accum * slots * t_mb + (dp_s if c.dp > 1 else 0.0),
+    }
+
+
+def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, global_batch: int) -> None:
+    layers = even_layer_split(shape.num_layers, c.pp * c.virtual_stages)
+    kw = dict(tp=c.tp, pp=c.pp, dp=c.dp, zero_1=c.zero_1, sp=c.sequence_parallel, recompute=c.activation_checkpointing,
+              micro_batch=c.micro_batch_size // c.num_microbatches, seq_len=seq_len, num_microbatches=c.num_microbatches,
+              grad_accum=c.grad_accum, schedule=c.pipeline_schedule, virtual_stages=c.virtual_stages,
+              precision=c.precision, layers=layers)
+    # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
+    # loss; the ranks between hold no more than rank 0
+    worst = max((stage_memory(shape, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
+    tensors = worst.total
+    margin = tensors * hw.allocator_margin
+    total = tensors + margin + hw.reserved_bytes
+    c.memory = {**worst.as_dict(), "tensors": int(tensors), "allocator_margin": int(margin),
+                "runtime_reserved": hw.reserved_bytes, "total": int(total)}
+    c.memory_per_rank_bytes = int(total)
+    c.fits = total <= hw.memory_per_rank
+    c.time = step_time(shape, hw, c, seq_len, layers)
+    c.step_time_s = c.time["total_s"]
+    c.tokens_per_s = global_batch * seq_len / c.step_time_s
+    world = c.tp * c.pp * c.dp
+    c.mfu = c.tokens_per_s * shape.flops_per_token(seq_len) / (world * hw.peak_flops_per_rank)
+    if c.tp > shape.num_kv_heads:
+        c.notes.append(f"KV heads replicated {c.tp // shape.num_kv_heads}x (tp={c.tp} > {shape.num_kv_heads} KV heads)")
+    if not c.fits:
+        big = max(("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers"), key=lambda k: worst.as_dict()[k])
+        hint = ("recompute, sequence parallelism or a smaller micro batch" if big in ("activations", "loss")
+                else "more model parallelism (tp × pp), ZeRO-1 or more nodes")
+        c.reason = (f"needs {total / GiB:.1f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
+                    f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB; try {hint}")
+
+
+def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) -> int | None:
+    """Fewest nodes whose ranks could hold the model states alone (a lower bound: activations
+    not counted), trying up to 64× the nodes asked for."""
+    usable = hw.memory_per_rank - hw.reserved_bytes
+    for n in range(nodes, 64 * nodes + 1):
+        world = n * hw.ranks_per_node
+        mp = max(t * p for t in _divisors(hw.ranks_per_node) for p in _divisors(world // t) if p <= shape.num_layers)
+        need = model_states_bytes(shape.num_parameters / mp, dp=world // mp, zero_1=True, precision=precision)
+        if need * (1 + hw.allocator_margin) <= usable:
+            return n
+    return None
+
+
+def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len: int, global_batch: int,
+         precision: str = "bf16", ranks_per_node: int | None = None) -> PlanReport:
+    """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
+    ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
+    read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
+    ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
+    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode)."""
+    if precision not in STATES:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(STATES)}")
+    if nodes < 1 or seq_len < 1 or global_batch < 1:
+        raise ValueError(f"nodes, seq_len and global_batch must be >= 1, got {nodes}, {seq_len}, {global_batch}")
+    shape = ModelShape.from_config(model_config)
+    hw = get_hardware(hardware, ranks_per_node)
+    world = nodes * hw.ranks_per_node
+    out: list[Candidate] = []
+    for tp in _divisors(world):
+        tp_why = _tp_problems(shape, tp, hw, seq_len)
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            why = list(tp_why)
+            if pp > shape.num_layers:
+                why.append(f"pp={pp} exceeds the model's {shape.num_layers} layers")
+            if global_batch % dp:
+                why.append(f"global batch {global_batch} is not divisible by dp={dp}")
+            elif pp > 1 and global_batch // dp < pp:
+                why.append(f"{global_batch // dp} sequences per dp rank cannot fill pp={pp} stages (1F1B needs "
+                           f"num_microbatches >= pp); raise the global batch to {pp * dp} or lower pp")
+            if why:
+                out.append(Candidate(tp=tp, pp=pp, dp=dp, precision=precision, valid=False, reason="; ".join(why)))
+                continue
+            for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, dp, global_batch // dp, seq_len):
+                c = Candidate(tp=tp, pp=pp, dp=dp, zero_1=zero, sequence_parallel=sp, num_microbatches=m,
+                              pipeline_schedule=sched, virtual_stages=v, activation_checkpointing=ac,
+                              micro_batch_size=m * b, grad_accum=accum, precision=precision)
+                _evaluate(shape, hw, c, seq_len, global_batch)
+                out.append(c)
+    out.sort(key=lambda c: (not c.fits, not c.valid, -(c.tokens_per_s or 0) if c.fits else (c.memory_per_rank_bytes or 0)))
+    report = PlanReport(model=shape, hardware=hw, nodes=nodes, seq_len=seq_len, global_batch=global_batch,
+                        precision=precision, plans=out)
+    if not report.feasible:
+        valid = [c for c in out if c.valid]
+        if not valid:
+            report.reason = f"no split of {world} ranks suits this model and batch: {out[0].reason}"
+        else:
+            least = min(valid, key=lambda c: c.memory_per_rank_bytes)
+            report.reason = (f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
+                             f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB")
+            n = _min_nodes(shape, hw, precision, nodes)
+            if n and n > nodes:
+                report.reason += f"; the model states alone need at least {n} nodes of {hw.name}"
+    return report
+
+
+def format_table(report: PlanReport, limit: int = 10) -> str:
+    """The best ``limit`` plans and a sample of rejected ones, as text."""
+    hw = report.hardware
+    lines = [f"{report.model.name or 'model'}: {report.model.num_parameters / 1e9:.2f}B params on {report.nodes} × "
+             f"{hw.name} ({report.world_size} ranks, {hw.memory_per_rank / GiB:.1f} GiB each), seq {report.seq_len}, "
+             f"global batch {report.global_batch}, {report.precision}"]
+    if hw.planning_only:
+        lines.append(f"note: {hw.name} is for planning only ({hw.source})")
+    fitting = [c for c in report.plans if c.fits][:limit]
+    lines.append(f"{'layout':58s} {'GiB/rank':>8s} {'tokens/s':>10s} {'MFU':>5s}")
+    for c in fitting:
+        lines.append(f"{c.describe():58s} {c.memory_per_rank_bytes / GiB:8.2f} {c.tokens_per_s:10.0f} {c.mfu:5.1%}"
+                     + (f"  ({'; '.join(c.notes)})" if c.notes else ""))
+    rejected = [c for c in report.plans if not c.fits]
+    if rejected:
+        lines.append(f"rejected {len(rejected)} of {len(report.plans)}, e.g.:")
+        seen = set()
+        for c in rejected:
+            key = c.reason.split(" (")[0].split(":")[0][:40]
+            if key not in seen and len(seen) < 5:
+                seen.add(key)
+                lines.append(f"  {c.describe()}: {c.reason}")
+    lines.append(f"feasible: {report.feasible}" + (f" — {report.reason}" if report.reason else ""))
+    return "\n".join(lines)
