@@ -207,8 +207,9 @@ def layer_activation_bytes(shape: ModelShape, tp: int, sp: bool, act: int) -> di
     return {
         "residual": 2 * h * act / seq,  # inputs of the attention and MLP blocks
         "norms": 2 * norm_bytes(h, tp, sp, act),
-        # rotary q and k, v, the sdpa output and its contiguous copy; fp32 log-sum-exp per head
-        "attention": (3 * q + 2 * kv) * act + 4 * shape.num_heads / tp,
+        # rotary q and k, v and the sdpa output (already in (b, s, heads, d) layout, so HF's
+        # transpose().contiguous() copies nothing); the fp32 log-sum-exp per head
+        "attention": (2 * q + 2 * kv) * act + 4 * shape.num_heads / tp,
         "mlp": 4 * i / tp * act,  # gate, up, silu(gate), silu(gate)*up
     }
 
@@ -275,11 +276,11 @@ def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, 
         sizes += stage_params(shape, tp, layers[sid], sid == 0, sid == n_stages - 1)
     numel = sum(n for n, _ in sizes)
     part = zero_partition(tuple(sizes), dp) if zero_1 and dp > 1 else ((numel, max(n for n, _ in sizes)),)
-    owned, largest = part[dp_rank] if dp_rank is not None else max(part)
+    owned, largest = part[dp_rank] if dp_rank is not None and len(part) > 1 else max(part)
     states = dict(params=numel * (st.param + st.cast_cache), optimizer=owned * st.sharded, numel=numel)
 
     tokens = micro_batch * seq_len
-    h, V, seq = shape.hidden_size, shape.vocab_size, tp if sp else 1
+    h, seq = shape.hidden_size, tp if sp else 1
     per_layer = sum(layer_activation_bytes(shape, tp, sp, st.act).values())
     boundary = tokens * h * st.act / seq  # one microbatch crossing a stage boundary
     first, last = 0 in ids, n_stages - 1 in ids
@@ -290,34 +291,52 @@ def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, 
         # a checkpointed layer keeps its input only; a later stage's input is its receive buffer
         chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.act / seq) - (boundary if sid else 0))
     live = inflight_chunks(schedule, pp, pp_rank, m, v)
-    activations = live * sum(chunk) / v + (tokens * 16 if first else 0)  # + int64 ids and labels
-    loss = 0.0
-    if last:
-        activations += tokens * norm_bytes(h, tp, sp, st.act)  # final norm, the lm_head input
-        logits = tokens * V / tp * 4
-        live_last = m if schedule == "gpipe" and pp > 1 else 1
-        # three fp32 buffers at the start of backward; other in-flight microbatches' saved
-        # log-softmax; a pipeline stage's forward cache keeps every in-flight logits tensor
-        loss = 3 * logits + (live_last - 1) * logits + (live_last * logits if pp > 1 else 0)
-    pipeline = 0.0
-    if pp > 1:
-        recv_act = sum(1 for sid in ids if sid > 0) * m * boundary
-        recv_grad = sum(1 for sid in ids if sid < n_stages - 1) * m * boundary
-        fwd_cache = live * boundary if not (last and v == 1) else 0
-        pipeline = recv_act + recv_grad + fwd_cache
+    # After a stage's first backward of a step its grads exist; 1F1B then refills the pipeline
+    # to ``live`` microbatches, GPipe (and a pipeline with m == live) only drains it.
+    live_after = live if schedule != "gpipe" and m * v > live else live - 1
+    logits = tokens * shape.vocab_size / tp * 4
+    # loss buffers at the start of a microbatch's backward: log-softmax output, incoming and
+    # outgoing gradient (loss_parallel under tp keeps the logits as a fourth)
+    loss_now = (3 + (tp > 1)) * logits
 
-    # Backward working set of one layer: three b·s·i/tp MLP grads; a recomputed layer is rebuilt.
-    transient = tokens * 3 * shape.intermediate_size / tp * st.act + (tokens * per_layer if recompute else 0)
+    def held(n_live: int) -> tuple[float, float, float]:
+        """(activations, loss, pipeline buffers) with ``n_live`` chunks in flight."""
+        acts = n_live * sum(chunk) / v + (tokens * 16 if first else 0)  # + int64 ids and labels
+        n_last = (n_live if v == 1 else min(n_live, 1)) if last else 0  # microbatches in the last stage
+        # per microbatch: the last layer's output, the final norm and the lm_head input
+        acts += n_last * tokens * (h * st.act / seq + norm_bytes(h, tp, sp, st.act))
+        # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
+        # every in-flight output (the logits, on the last stage)
+        loss = (loss_now + max(n_last - 1, 0) * logits + (n_last * logits if pp > 1 else 0)) if last else 0.0
+        pipe = 0.0
+        if pp > 1:
+            pipe = (sum(1 for sid in ids if sid > 0) + sum(1 for sid in ids if sid < n_stages - 1)) * m * boundary
+            pipe += n_live * boundary if not (last and v == 1) else 0  # forward cache of stage outputs
+        return acts, loss, pipe
+
+    # A layer's backward: at the MLP's product rule the gate, up and silu outputs, the incoming
+    # gradient and two outgoing ones are live: 2·b·s·i/tp beyond what the layer saved. A
+    # recomputed layer rebuilds its saved tensors first. The loss buffers are gone by then.
+    layer_work = tokens * (2 * shape.intermediate_size / tp * st.act + (per_layer if recompute else 0))
     all_grads = numel * st.grad
-    head_grads = (V // tp * h + h) * st.grad if last else 0
-    grads_in_bwd = all_grads if (pp > 1 or grad_accum > 1) else head_grads
-    bwd = StageMemory(**states, grads=grads_in_bwd, activations=activations, loss=loss, pipeline_buffers=pipeline,
-                      transient=transient, phase="backward")
+    head_grads = (shape.vocab_size // tp * h + h) * st.grad if last else 0
+    phases = []
+    for n_live, grads, label in ((live, all_grads if grad_accum > 1 else head_grads, "backward"),
+                                 (live_after, all_grads, "backward-later")):
+        if label == "backward-later" and (pp == 1 or n_live < 1):
+            continue
+        acts, loss, pipe = held(n_live)
+        phases.append(StageMemory(**states, grads=grads, activations=acts, loss=loss, pipeline_buffers=pipe,
+                                  transient=max(0.0, layer_work - (loss_now if last else 0)), phase=label))
+    pipe = held(0)[2]
+    # end of backward: nearly all grads, the first layer's saved tensors and its backward's work
+    phases.append(StageMemory(**states, grads=all_grads, activations=tokens * per_layer * (not recompute),
+                              pipeline_buffers=pipe, transient=layer_work, phase="backward-end"))
     bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
     opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
-    step = StageMemory(**states, grads=all_grads, pipeline_buffers=pipeline, comm_buffers=max(bucket, opt_tmp),
-                       phase="step")
-    return bwd if bwd.total >= step.total else step
+    phases.append(StageMemory(**states, grads=all_grads, pipeline_buffers=pipe, comm_buffers=max(bucket, opt_tmp),
+                              phase="step"))
+    return max(phases, key=lambda mem: mem.total)
 
 
 def even_layer_split(num_layers: int, num_stages: int) -> list[int]:

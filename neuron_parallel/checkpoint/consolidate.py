@@ -29,7 +29,7 @@ from .neuronx_layout import find_neuronx_checkpoint
 from .tensors import CheckpointTensors, dtype_from_name
 from .validate import validate_checkpoint
 
-BLOCK_BYTES = 64 << 20  # rows copied per write: memory stays near this, not the largest tensor
+BLOCK_BYTES = 32 << 20  # rows copied per write: memory stays near this, not the largest tensor
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -96,6 +96,11 @@ class ManifestSource:
         shape = self._shapes[name]
         return self.tensors.read(name, [0] * len(shape), shape)
 
+    def byte_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """File ranges holding the exported tensor's bytes in order, when its pieces are whole rows."""
+        shape = self._shapes[name]
+        return self.tensors.byte_ranges(name, shape[0]) if shape else None
+
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (along dim 0) of the exported tensor."""
         shape = self._shapes[name]
@@ -130,6 +135,26 @@ def _blocks(source: TensorSource, name: str, shape: list[int], dtype: torch.dtyp
         yield t
 
 
+def _copy_ranges(ranges: list[tuple[Path, int, int]], dst_fd: int) -> bool:
+    """Append file ranges to ``dst_fd`` with ``copy_file_range``: the kernel moves the bytes (or
+    shares extents), nothing passes through this process. False, with nothing written, where the
+    file system or platform cannot; the caller then copies through memory."""
+    start = os.lseek(dst_fd, 0, os.SEEK_CUR)
+    try:
+        for path, offset, nbytes in ranges:
+            with open(path, "rb", buffering=0) as src:
+                while nbytes:
+                    n = os.copy_file_range(src.fileno(), dst_fd, nbytes, offset)
+                    if n == 0:
+                        raise OSError(f"{path}: ends before offset {offset} + {nbytes}")
+                    offset, nbytes = offset + n, nbytes - n
+    except (OSError, AttributeError):
+        os.ftruncate(dst_fd, start)
+        os.lseek(dst_fd, start, os.SEEK_SET)
+        return False
+    return True
+
+
 def _write_safetensors(path: Path, items, source: TensorSource) -> int:
     header, offset = {}, 0
     for name, shape, dtype in items:
@@ -140,16 +165,21 @@ def _write_safetensors(path: Path, items, source: TensorSource) -> int:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    # Unbuffered, so in-kernel copies and writes share one file position.
+    with open(tmp, "wb", buffering=0) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dtype in items:
+            ranges = getattr(source, "byte_ranges", lambda _: None)(name)
+            if ranges is not None and _copy_ranges(ranges, f.fileno()):
+                continue
             for t in _blocks(source, name, shape, dtype):
                 # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
                 # handed to write() as a buffer rather than copied into a bytes object first.
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                while view:
+                    view = view[f.write(view):]
                 del t
-        f.flush()
         os.fsync(f.fileno())
     tmp.rename(path)
     return offset

@@ -84,11 +84,16 @@ class _SafetensorsFile:
         else:
             rows, row_shape, r0 = shape[0], full[1:], offsets[0]
         row_bytes = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
-        buf = bytearray(rows * row_bytes)
+        buf = torch.empty(rows * row_bytes, dtype=torch.uint8)  # uninitialised: no zero-fill pass
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.data_start + info["data_offsets"][0] + r0 * row_bytes)
-            f.readinto(buf)
-        t = torch.frombuffer(buf, dtype=dtype).reshape([rows, *row_shape] if full else [])
+            view, got = memoryview(buf.numpy()), 0
+            while got < len(view):  # readinto may return short counts on large reads
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{self.path}: {key} ends early (truncated file)")
+                got += n
+        t = buf.view(dtype).reshape([rows, *row_shape] if full else [])
         inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], shape[1:]))
         return t[(slice(None), *inner)] if inner else t
 
@@ -125,6 +130,10 @@ class CheckpointTensors:
         entry = self.manifest.tensors[name]
         offsets = offsets if offsets is not None else [0] * len(entry.shape)
         shape = shape if shape is not None else list(entry.shape)
+        for piece in entry.pieces:  # one piece holds the whole box: return its rows, no copy
+            if all(p <= o and o + n <= p + m for o, n, p, m in zip(offsets, shape, piece.offsets, piece.shape)):
+                rel = [o - p for o, p in zip(offsets, piece.offsets)]
+                return self._files.get(piece.file).read(piece.key, rel, shape)
         out = torch.empty(shape, dtype=dtype_from_name(entry.dtype))
         covered = 0
         for piece in entry.pieces:
@@ -142,6 +151,27 @@ class CheckpointTensors:
                 f"{covered} of {math.prod(shape)} elements; the checkpoint is missing pieces"
             )
         return out
+
+    def byte_ranges(self, name: str, rows: int) -> list[tuple[Path, int, int]] | None:
+        """``(file, offset, nbytes)`` ranges that hold rows ``[0, rows)`` of ``name`` in order,
+        when every piece is whole rows (split along dim 0 only, as column-parallel weights and
+        the vocab-parallel embedding are); None otherwise."""
+        entry = self.manifest.tensors[name]
+        if not entry.shape:
+            return None
+        ranges, row = [], 0
+        for piece in sorted(entry.pieces, key=lambda p: p.offsets[0]):
+            if list(piece.shape[1:]) != list(entry.shape[1:]) or piece.offsets[0] != row:
+                return None
+            take = min(piece.shape[0], rows - row)
+            if take <= 0:
+                break
+            f = self._files.get(piece.file)
+            info = f.header[piece.key]
+            row_bytes = math.prod(piece.shape[1:]) * dtype_from_name(entry.dtype).itemsize
+            ranges.append((f.path, f.data_start + info["data_offsets"][0], take * row_bytes))
+            row += take
+        return ranges if row == rows else None
 
     def pieces(self, name: str) -> list[Piece]:
         return self.manifest.tensors[name].pieces
