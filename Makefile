@@ -27,5 +27,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python bench/train_throughput.py
+	$(BIN)/python bench/checkpoint_save.py
+	$(BIN)/python bench/consolidate.py
+
 clean:
 	rm -rf $(TINY) .runs
