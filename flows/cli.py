@@ -5,6 +5,8 @@
     neuron-flows validate PATH [--quick]           check a checkpoint
     neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
     neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
+    neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
+                                                   rank parallel layouts: memory per rank, tokens/s
 """
 
 from __future__ import annotations
@@ -119,6 +121,17 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Rank every layout; exit 0 when one fits, 1 when none does (the JSON says why)."""
+    from neuron_parallel.planner import format_table, plan
+
+    model = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
+    report = plan(model, args.hardware, nodes=args.nodes, seq_len=args.seq_len, global_batch=args.global_batch,
+                  precision=args.precision, ranks_per_node=args.ranks_per_node)
+    print(json.dumps(report.to_dict()) if args.json else format_table(report, args.top))
+    return 0 if report.feasible else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-flows", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
+    p = sub.add_parser("plan", help="rank parallel layouts of a model on some hardware (memory per rank, tokens/s)")
+    p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG_JSON",
+                   help="model directory, its config.json, or the config as inline JSON (weights are never read)")
+    p.add_argument("--hardware", required=True, help="trn2.48xlarge, trn3, trn1.32xlarge, p5.48xlarge, h200x8, "
+                   "cpu, or a hardware YAML file (neuron_parallel.hardware)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--precision", choices=["bf16", "fp32", "bf16_autocast"], default="bf16")
+    p.add_argument("--ranks-per-node", type=int, help="override the hardware's ranks per node (e.g. cpu)")
+    p.add_argument("--top", type=int, default=10, help="plans shown in the table")
+    p.add_argument("--json", action="store_true", help="every candidate as JSON: feasible, plans (best first)")
+    p.set_defaults(fn=cmd_plan)
     return parser
 
 

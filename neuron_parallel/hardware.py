@@ -186,13 +186,25 @@ def load_hardware(path: str | Path, *, register: bool = True) -> HardwareSpec:
     return register_hardware(spec) if register else spec
 
 
+def _yaml_dirs() -> list[Path]:
+    """Folders whose ``*.yaml`` kinds are known by name: ``$NEURON_FLOWS_HARDWARE_DIR`` (``:``-
+    separated), then the repository's ``configs/hardware``."""
+    env = [Path(p) for p in os.environ.get("NEURON_FLOWS_HARDWARE_DIR", "").split(os.pathsep) if p]
+    return [d for d in [*env, Path(__file__).resolve().parents[1] / "configs" / "hardware"] if d.is_dir()]
+
+
+def _yaml_kinds() -> dict[str, Path]:
+    return {p.stem: p for d in reversed(_yaml_dirs()) for p in sorted(d.glob("*.y*ml"))}
+
+
 def hardware_names() -> list[str]:
-    """Every kind ``get_hardware`` knows by name."""
-    return sorted([*_CATALOG, "cpu"])
+    """Every kind ``get_hardware`` knows by name (catalog, YAML folders, ``cpu``)."""
+    return sorted({*_CATALOG, *_yaml_kinds(), "cpu"})
 
 
 def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) -> HardwareSpec:
-    """A catalog kind by name (or alias), ``cpu``, or a YAML file path; ``ranks_per_node``
+    """A catalog kind by name (or alias, or the stem of a YAML file in ``_yaml_dirs``), ``cpu``,
+    or a YAML file path; ``ranks_per_node``
     overrides the kind's rank count (e.g. ``get_hardware("cpu", 2)``)."""
     if isinstance(kind, HardwareSpec):
         spec = kind
@@ -202,6 +214,8 @@ def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) ->
         spec = load_hardware(kind)
     else:
         name = _ALIASES.get(kind, kind)
+        if name not in _CATALOG and name in _yaml_kinds():
+            load_hardware(_yaml_kinds()[name])
         if name not in _CATALOG:
             raise ValueError(f"unknown hardware {kind!r}; use one of {hardware_names()} or a YAML file "
                              "(see neuron_parallel.hardware.load_hardware)")

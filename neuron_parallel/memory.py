@@ -18,22 +18,31 @@ The model is of *this* library's engine (``neuron_parallel.engine``), tensor by 
   the all-gathered input of attention and of the MLP is saved whole by the projections
   (DTensor does not re-gather in backward as Megatron does), so our SP saves ``2h`` per token
   more than Korthikanti's ``34/t``. Full recompute keeps the layer input only.
-* the loss: three fp32 ``b·s·V/tp`` buffers at the start of backward (log-softmax output, its
-  incoming and its outgoing gradient); a pipeline's last stage also keeps each in-flight
-  microbatch's logits in the stage's forward cache.
+* the loss: three fp32 ``b·s·V/tp`` buffers at the start of a microbatch's backward (log-softmax
+  output, its incoming and its outgoing gradient; under tp ``loss_parallel`` also keeps the
+  logits: four); other in-flight microbatches keep their log-softmax, and a pipeline's last
+  stage keeps each in-flight microbatch's logits in the stage's forward cache.
 * pipeline buffers: ``torch.distributed.pipelining`` allocates one activation receive buffer
-  and one gradient receive buffer per microbatch, for the whole run; 1F1B keeps ``p - r``
-  microbatches in flight on pp rank ``r``, GPipe all ``m``, interleaved 1F1B
-  ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
-* transients: a layer's backward (three ``b·s·i/tp`` MLP gradients), a recomputed layer, the
-  dp all-reduce bucket (``optim.all_reduce_grads``: up to 32 MiB, or the largest grad), AdamW's
-  per-parameter temporaries (``sqrt`` and the division: 2 × the largest owned parameter).
+  and one gradient receive buffer per microbatch, for the whole run, and caches each in-flight
+  stage output; 1F1B keeps ``p - r`` microbatches in flight on pp rank ``r``, GPipe all ``m``,
+  interleaved 1F1B ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
+* transients: a layer's backward (two ``b·s·i/tp`` MLP gradients beyond what it saved), a
+  recomputed layer, the dp all-reduce's flat buckets (``optim.all_reduce_grads``: up to 32 MiB
+  each, two alive at once), AdamW's per-parameter temporaries (``sqrt`` and the division: 2 ×
+  the largest owned parameter, fp32).
 
-Gradients are freed after every step (``zero_grad(set_to_none=True)``), so with one micro-batch
-and no pipeline they grow while activations are released in backward: the peak is then the
-larger of "all activations + the head's grads" and "all grads + reduction or optimizer
-temporaries". With accumulation or a pipeline, grads of earlier microbatches coexist with
-in-flight activations.
+Gradients are freed after every step (``zero_grad(set_to_none=True)``), so the peak is the
+largest of a few moments: the start of backward (every saved activation and the loss buffers;
+the grads of earlier microbatches only with accumulation, or on a pipeline stage after its
+first backward), the end of backward (all grads, the first layer's tensors and its backward),
+and the gradient reduction / optimizer step (all grads, the buckets or AdamW temporaries).
+
+Calibration: every constant above was read off the autograd graph and the code (not fitted),
+then checked against allocator measurements of real training steps in bench/planner.py: 11 fp32
+cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, ZeRO-1, recompute, KV replication) and 2 of the
+engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as FACTS.md and
+NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it, so it is
+not measured.
 """
 
 from __future__ import annotations
@@ -56,14 +65,16 @@ class StateBytes:
     param: int
     grad: int
     sharded: int  # optimizer state (and fp32 master weights) that ZeRO-1 splits over dp
-    act: int  # matmul outputs and the residual stream
+    act: int  # matmul outputs
+    resid: int  # the residual stream (fp32 under autocast: fp32 params make the adds fp32)
     cast_cache: int = 0  # autocast's low-precision weight copies, alive through the step
+    autocast: bool = False  # each projection casts (and saves) its own low-precision input copy
 
 
 STATES = {
-    "fp32": StateBytes(param=4, grad=4, sharded=8, act=4),
-    "bf16": StateBytes(param=2, grad=2, sharded=12, act=2),
-    "bf16_autocast": StateBytes(param=4, grad=4, sharded=8, act=2, cast_cache=2),
+    "fp32": StateBytes(param=4, grad=4, sharded=8, act=4, resid=4),
+    "bf16": StateBytes(param=2, grad=2, sharded=12, act=2, resid=2),
+    "bf16_autocast": StateBytes(param=4, grad=4, sharded=8, act=2, resid=4, cast_cache=2, autocast=True),
 }
 
 
@@ -179,38 +190,44 @@ def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[
 
 
 def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
-    """Largest flat buffer ``optim.all_reduce_grads`` concatenates, in bytes (sizes in bytes)."""
-    best = size = 0
+    """Peak bytes of ``optim.all_reduce_grads``' flat buffers (grad sizes in bytes, in order):
+    buckets of up to ``cap`` (a larger grad is its own bucket), and since the previous flat
+    buffer is only released when the next ``torch.cat`` result replaces it, two consecutive
+    buckets are alive at once."""
+    buckets, size = [], 0
     for n in sizes:
         if size and size + n > cap:
-            best, size = max(best, size), 0
+            buckets.append(size)
+            size = 0
         size += n
-    return max(best, size)
+    buckets.append(size)
+    return max([a + b for a, b in zip(buckets, buckets[1:])] or buckets)
 
 
-def norm_bytes(h: int, tp: int, sp: bool, act: int) -> float:
+def norm_bytes(h: int, tp: int, sp: bool, st: StateBytes, consumers: int = 1) -> float:
     """Per token, one RMSNorm (HF computes it in fp32) and the block input it feeds: the fp32
-    normalised tensor (plus the fp32 copy of the input and its cast back when activations are not
-    fp32), seq-sharded under SP, and the input of the next projections, whole (under SP the
-    all-gathered copy, the local norm output being freed)."""
+    normalised tensor (plus an fp32 copy of a bf16 input and the cast back), seq-sharded under
+    SP, and the input the next projections save, whole (under SP the all-gathered copy, the local
+    norm output being freed); under autocast each of the ``consumers`` projections saves its
+    own bf16 cast."""
     seq = tp if sp else 1
-    internal = 4 + (4 + act if act != 4 else 0)
-    return h * internal / seq + h * act
+    internal = 4 + (4 + st.act if st.resid != 4 else 0)
+    return h * internal / seq + h * st.act * (consumers if st.autocast else 1)
 
 
-def layer_activation_bytes(shape: ModelShape, tp: int, sp: bool, act: int) -> dict[str, float]:
+def layer_activation_bytes(shape: ModelShape, tp: int, sp: bool, st: StateBytes) -> dict[str, float]:
     """Bytes per token one decoder layer saves for backward, by tensor group (see module doc)."""
     h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
     seq = tp if sp else 1
     q = shape.num_heads * d / tp
     kv = local_kv_heads(shape.num_kv_heads, tp) * d
     return {
-        "residual": 2 * h * act / seq,  # inputs of the attention and MLP blocks
-        "norms": 2 * norm_bytes(h, tp, sp, act),
+        "residual": 2 * h * st.resid / seq,  # inputs of the attention and MLP blocks
+        "norms": norm_bytes(h, tp, sp, st, consumers=3) + norm_bytes(h, tp, sp, st, consumers=2),
         # rotary q and k, v and the sdpa output (already in (b, s, heads, d) layout, so HF's
         # transpose().contiguous() copies nothing); the fp32 log-sum-exp per head
-        "attention": (2 * q + 2 * kv) * act + 4 * shape.num_heads / tp,
-        "mlp": 4 * i / tp * act,  # gate, up, silu(gate), silu(gate)*up
+        "attention": (2 * q + 2 * kv) * st.act + 4 * shape.num_heads / tp,
+        "mlp": 4 * i / tp * st.act,  # gate, up, silu(gate), silu(gate)*up
     }
 
 
@@ -281,15 +298,15 @@ def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, 
 
     tokens = micro_batch * seq_len
     h, seq = shape.hidden_size, tp if sp else 1
-    per_layer = sum(layer_activation_bytes(shape, tp, sp, st.act).values())
-    boundary = tokens * h * st.act / seq  # one microbatch crossing a stage boundary
+    per_layer = sum(layer_activation_bytes(shape, tp, sp, st).values())
+    boundary = tokens * h * st.resid / seq  # one microbatch crossing a stage boundary
     first, last = 0 in ids, n_stages - 1 in ids
     chunk = []
     for sid in ids:
         n = layers[sid]
         saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
         # a checkpointed layer keeps its input only; a later stage's input is its receive buffer
-        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.act / seq) - (boundary if sid else 0))
+        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.resid / seq) - (boundary if sid else 0))
     live = inflight_chunks(schedule, pp, pp_rank, m, v)
     # After a stage's first backward of a step its grads exist; 1F1B then refills the pipeline
     # to ``live`` microbatches, GPipe (and a pipeline with m == live) only drains it.
@@ -304,7 +321,7 @@ def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, 
         acts = n_live * sum(chunk) / v + (tokens * 16 if first else 0)  # + int64 ids and labels
         n_last = (n_live if v == 1 else min(n_live, 1)) if last else 0  # microbatches in the last stage
         # per microbatch: the last layer's output, the final norm and the lm_head input
-        acts += n_last * tokens * (h * st.act / seq + norm_bytes(h, tp, sp, st.act))
+        acts += n_last * tokens * (h * st.resid / seq + norm_bytes(h, tp, sp, st))
         # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
         # every in-flight output (the logits, on the last stage)
         loss = (loss_now + max(n_last - 1, 0) * logits + (n_last * logits if pp > 1 else 0)) if last else 0.0

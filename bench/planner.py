@@ -1,0 +1,335 @@
+"""The planner's memory model against measured peak memory per rank, on CPU with real training.
+
+    .venv/bin/python bench/planner.py [--quick] [--steps N] [--cases NAME,NAME]
+
+Every case is a real training run through the real entry point, one torchrun job per case:
+``torchrun --standalone --nproc_per_node N bench/planner.py --worker job.json out_dir``. The
+worker imports ``neuron_parallel.train``, replaces its checkpoint writer by a no-op (a save is
+not part of a training step's memory and the final step always saves) and runs
+``run_training(job)`` unchanged inside the measurement. Models are tiny-to-small Llama shapes
+from ``neuron_parallel.tiny.make_tiny_world`` (GQA, untied), data its pydoc corpus packed by
+``neuron_parallel.data.tokenize_dataset``; fp32 on CPU with gloo; dp, tp, sp, pp (1F1B and
+GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode.
+
+How memory is measured. CPU tensors have no allocator statistics like ``torch.cuda``'s, and
+process RSS mixes in the interpreter, libraries, the dataset's memory map and freed-but-cached
+pages. So each rank runs under ``torch.profiler.profile(profile_memory=True)``: with memory
+profiling on, c10's CPU allocator reports every tensor storage allocation and free
+(``ProfiledCPUMemoryReporter``) with its size and the running total of bytes allocated since
+profiling began. The profiler starts before ``run_training``, so the model, gradients, optimizer
+state, activations, pipeline buffers and every temporary an op allocates are all counted (memory
+that gloo or Python allocate outside tensors is not). The measured peak of a rank is the largest
+running total over all its steps. One catch, found while building this: the allocator keeps
+that total only in threads the profiler watches, and gloo's worker threads release some
+tensors, so their frees went missing and the total drifted up (by ~15 % in a tp=2 run); c10's
+``caffe2_report_cpu_memory_usage`` flag, set through ctypes, makes it count in every thread.
+The method is checked on a known pattern before the cases run (allocate 100 MB + 50 MB, free
+100, a 10 MB tensor and a 50 MB temporary, free the 10 MB in another thread: the peak must read
+exactly 150 000 000 bytes and the end the 1 000 000 still held). Engine methods are wrapped in ``record_function`` ranges so the table can
+say in which phase (forward/backward, reduction, optimizer) the peak fell.
+
+Prediction: ``neuron_parallel.memory.stage_memory`` for that rank's (pp rank, dp rank), i.e.
+the planner's own model, tensor bytes only (the allocator margin the planner adds for device
+allocators is not tensor memory and is left out here). Constants are those stated in
+``neuron_parallel/memory.py``; nothing is fitted per case. A case passes when every rank is
+within ±15 %; the table shows the rank with the largest measured peak.
+
+Then the step-time model against the published anchors of FACTS.md (Llama-3.1-8B and 70B on
+32 × trn1.32xlarge): predicted and published tokens/s per instance, for information.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+WIDE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2)
+SHAPES = {"small": dict(SMALL), "wide": dict(WIDE, vocab_size=4096)}
+# name: (shape, seq, world, parallel, micro_batch_size)
+CASES = {
+    "small-1rank": ("small", 256, 1, dict(), 4),
+    "small-recompute": ("small", 256, 1, dict(activation_checkpointing=1), 4),
+    "small-dp2": ("small", 256, 2, dict(), 4),
+    "small-dp2-zero1": ("small", 256, 2, dict(zero_1=True), 4),
+    "small-tp2": ("small", 256, 2, dict(tp=2), 4),
+    "small-tp2-sp": ("small", 256, 2, dict(tp=2, sequence_parallel=True), 4),
+    "small-pp2-1f1b": ("small", 256, 2, dict(pp=2, num_microbatches=4), 4),
+    "small-pp2-gpipe": ("small", 256, 2, dict(pp=2, num_microbatches=4, pipeline_schedule="gpipe"), 4),
+    "wide-dp2-zero1-recompute": ("wide", 256, 2, dict(zero_1=True, activation_checkpointing=1), 4),
+    "wide-tp4-kvrep": ("wide", 128, 4, dict(tp=4), 4),
+    "small-tp2-pp2": ("small", 256, 4, dict(tp=2, pp=2, num_microbatches=2), 2),
+    # the engine's bf16 mode (fp32 states, autocast), predicted as precision="bf16_autocast"
+    "small-1rank-bf16": ("small", 256, 1, dict(mixed_precision="bf16"), 4),
+    "small-tp2-sp-bf16": ("small", 256, 2, dict(tp=2, sequence_parallel=True, mixed_precision="bf16"), 4),
+}
+QUICK = ["small-1rank", "small-dp2-zero1", "small-tp2-sp", "small-pp2-1f1b", "small-recompute", "wide-tp4-kvrep"]
+
+
+def _profile_allocations(prof) -> list[tuple[int, int]]:
+    """(time ns, bytes allocated so far) for every CPU allocation/free the profiler saw."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    ranges = []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            out.append((node.start_time_ns, node.extra_fields.total_allocated))
+        elif node.name.startswith("bench:"):
+            ranges.append((node.start_time_ns, node.end_time_ns, node.name[6:]))
+    return sorted(out), sorted(ranges)
+
+
+def _peak(events, ranges) -> dict:
+    """Overall peak and the peak inside each phase range."""
+    import bisect
+
+    starts = [r[0] for r in ranges]
+    peak, at, phases = 0, "other", {}
+    for t, total in events:
+        i = bisect.bisect_right(starts, t) - 1
+        name = ranges[i][2] if i >= 0 and t <= ranges[i][1] else "other"
+        phases[name] = max(phases.get(name, 0), total)
+        if total > peak:
+            peak, at = total, name
+    return {"peak": peak, "phase": at, "phases": phases}
+
+
+def track_all_threads() -> None:
+    """Make c10's CPU allocator keep its byte count in every thread, not only in threads the
+    profiler watches: gloo's worker threads drop the last reference to some tensors, and
+    without this their frees are never subtracted, so the running total drifts upward
+    (``check_method`` shows it). The switch is c10's ``caffe2_report_cpu_memory_usage`` flag,
+    which has no Python setter, so it is set through ctypes."""
+    import ctypes
+
+    import torch
+
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def check_method() -> int:
+    """The measurement on a known allocation pattern, including a free in another thread: must
+    read exactly 150 MB at the peak and come back to the bytes still held."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    track_all_threads()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(25_000_000)
+        b = torch.ones(12_500_000)
+        del a
+        held = [torch.zeros(2_500_000)]
+        (b * 2).sum()  # a 50 MB temporary: 50 + 10 + 50 = 110 MB, below the 150 MB peak
+        worker = threading.Thread(target=held.clear)  # the 10 MB tensor dies in another thread
+        worker.start()
+        worker.join()
+        keep = torch.ones(250_000)
+        del b
+    events, _ = _profile_allocations(prof)
+    peak, last = _peak(events, [])["peak"], events[-1][1]
+    if peak != 150_000_000 or last != 1_000_000:
+        raise SystemExit(f"memory measurement reads peak {peak} and final {last} bytes on a pattern of 150 000 000 "
+                         "and 1 000 000; not trustworthy here")
+    del keep
+    return peak
+
+
+def worker(job_path: str, out_dir: str) -> None:
+    """Inside torchrun: run_training(job) under the memory profiler; one JSON per rank."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import neuron_parallel.train as train
+    from neuron_parallel.config import JobConfig
+    from neuron_parallel.engine import Engine
+
+    class NoCheckpoints:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def save(self, step, **kwargs):
+            return Path("(not saved by the bench)")
+
+        def wait(self):
+            pass
+
+    train.CheckpointWriter = NoCheckpoints
+    for name in ("forward_backward", "reduce_and_clip", "optimizer_step"):
+        def wrapped(self, *args, _fn=getattr(Engine, name), _name=name, **kwargs):
+            with record_function(f"bench:{_name}"):
+                return _fn(self, *args, **kwargs)
+        setattr(Engine, name, wrapped)
+    torch.set_num_threads(1)
+    track_all_threads()
+    rank = int(os.environ.get("RANK", "0"))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train.run_training(JobConfig.load(job_path))
+    result = _peak(*_profile_allocations(prof))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+
+
+def predict(shape, job, rank: int):
+    """The planner's memory model for global rank ``rank`` of ``job``."""
+    from neuron_parallel.memory import even_layer_split, stage_memory
+
+    pc = job.parallel
+    dp_rank, rest = divmod(rank, pc.pp * pc.tp)
+    pp_rank = rest // pc.tp
+    m = pc.num_microbatches if pc.pp > 1 else 1
+    return stage_memory(
+        shape, tp=pc.tp, pp=pc.pp, dp=pc.dp, zero_1=pc.zero_1, sp=pc.sequence_parallel,
+        recompute=pc.activation_checkpointing, micro_batch=job.train.micro_batch_size // m, seq_len=job.block_size,
+        num_microbatches=m, grad_accum=job.train.grad_accum, schedule=pc.pipeline_schedule,
+        virtual_stages=pc.virtual_stages, precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
+        pp_rank=pp_rank,
+        layers=even_layer_split(shape.num_layers, pc.num_stages),
+        dp_rank=dp_rank,
+    )
+
+
+def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
+    from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
+    from neuron_parallel.data import tokenize_dataset
+    from neuron_parallel.memory import ModelShape
+
+    shape_name, seq, world, parallel, mbs = CASES[name]
+    paths = worlds[shape_name]
+    ds = tokenize_dataset(source=paths["corpus"], tokenizer_dir=paths["model"], block_size=seq,
+                          cache_dir=work / "datasets")
+    run_dir = work / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = JobConfig(model_path=paths["model"], dataset_path=ds.path, output_dir=str(run_dir), block_size=seq,
+                    parallel=ParallelConfig.for_world(world, **parallel),
+                    train=TrainConfig(max_steps=steps, save_every=0, micro_batch_size=mbs, lr=1e-3, log_every=1))
+    (run_dir / "job.json").write_text(job.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).resolve()), "--worker", str(run_dir / "job.json"), str(run_dir)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        err = proc.stderr[max(0, proc.stderr.find("Traceback")):][:3000]
+        raise SystemExit(f"case {name} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{err}")
+    shape = ModelShape.from_config(paths["model"])
+    ranks = []
+    for r in range(world):
+        meas = json.loads((run_dir / f"rank{r}.json").read_text())
+        pred = predict(shape, job, r)
+        ranks.append({"rank": r, "measured": meas["peak"], "measured_phase": meas["phase"],
+                      "measured_phases": meas["phases"], "predicted": pred.as_dict(),
+                      "error": pred.total / meas["peak"] - 1})
+    worst = max(ranks, key=lambda x: x["measured"])
+    return {"case": name, "world": world, "parallel": parallel, "seq": seq, "micro_batch_size": mbs,
+            "ranks": ranks, "worst": worst, "max_abs_error": max(abs(x["error"]) for x in ranks),
+            "wall_s": time.perf_counter() - t0}
+
+
+def _world(path: Path, shape: dict) -> dict:
+    from neuron_parallel.tiny import make_tiny_world
+
+    if (path / "model" / "config.json").is_file():  # a kept --workdir
+        return {"model": str(path / "model"), "corpus": str(path / "corpus.jsonl")}
+    return make_tiny_world(path, **shape)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:7.1f}"
+
+
+def print_table(results: list[dict]) -> None:
+    cols = ["params", "grads", "optimizer", "activations", "loss", "pipeline_buffers", "transient", "comm_buffers"]
+    print("\nPeak tensor memory per rank, MiB (rank with the largest measured peak; max|err| over all ranks)")
+    head = f"{'case':26s} {'rank':>4s} " + " ".join(f"{c[:7]:>7s}" for c in cols)
+    print(head + f" {'pred':>7s} {'meas':>7s} {'err%':>6s} {'max%':>6s}  phase(pred/meas)")
+    for res in results:
+        w = res["worst"]
+        p = w["predicted"]
+        print(f"{res['case']:26s} {w['rank']:4d} " + " ".join(_mb(p[c]) for c in cols)
+              + f" {_mb(p['total'])} {_mb(w['measured'])} {100 * w['error']:+6.1f} {100 * res['max_abs_error']:6.1f}"
+              f"  {p['phase']}/{w['measured_phase']}")
+
+
+# FACTS.md, "Published training throughput": Neuron distributed library on 32 × trn1.32xlarge,
+# seq 8192, bf16, global batch 1024 (our assumption); sequences/s of the whole job.
+ANCHORS = {
+    "Llama-3.1-8B TP32 DP32 ZeRO-1": (dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+                                      (32, 1, 32), (42, 48)),
+    "Llama-3.1-70B TP32 PP8 DP4": (dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                         num_key_value_heads=8, intermediate_size=28672, vocab_size=128256),
+                                   (32, 8, 4), (7.5, 7.9)),
+}
+
+
+def anchors() -> list[dict]:
+    """Predicted tokens/s of the published layouts (with SP, recompute, ZeRO-1, 1F1B, the
+    fastest microbatching that fits) against the published figures; information only."""
+    from neuron_parallel.planner import plan
+
+    rows = []
+    for name, (config, split, published) in ANCHORS.items():
+        report = plan(config, "trn1.32xlarge", nodes=32, seq_len=8192, global_batch=1024)
+        same = [c for c in report.plans if c.fits and (c.tp, c.pp, c.dp) == split and c.zero_1
+                and c.sequence_parallel and c.activation_checkpointing and c.pipeline_schedule == "1f1b"]
+        c = max(same, key=lambda c: (float(f"{c.tokens_per_s:.3g}"), -c.memory_per_rank_bytes))
+        published = tuple(x * 8192 / 32 for x in published)  # sequences/s → tokens/s per instance
+        rows.append({"case": name, "layout": c.describe(), "predicted_per_instance": c.tokens_per_s / 32,
+                     "published_per_instance": published, "mfu": c.mfu,
+                     "memory_GiB": c.memory_per_rank_bytes / 2**30, "best_layout": report.best.describe(),
+                     "best_per_instance": report.best.tokens_per_s / 32})
+        lo, hi = published
+        print(f"{name}: predicted {c.tokens_per_s / 32:,.0f} tokens/s per instance ({c.mfu:.0%} MFU, "
+              f"{c.memory_per_rank_bytes / 2**30:.1f} GiB/rank) vs published {lo:,.0f}-{hi:,.0f}; "
+              f"planner's best {report.best.describe()}: {report.best.tokens_per_s / 32:,.0f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} cases")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cases", help="comma-separated case names")
+    parser.add_argument("--workdir", help="keep models, datasets and jobs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    print(f"measurement check: known 150 MB pattern reads {check_method():,} bytes")
+    names = args.cases.split(",") if args.cases else (QUICK if args.quick else list(CASES))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
+        work = Path(args.workdir or tmp)
+        worlds = {name: _world(work / name, shape) for name, shape in SHAPES.items()}
+        for name in names:
+            res = run_case(name, worlds, work, args.steps)
+            results.append(res)
+            print(f"{name}: worst rank {res['worst']['rank']} error {100 * res['worst']['error']:+.1f}% "
+                  f"(max |err| {100 * res['max_abs_error']:.1f}%), {res['wall_s']:.0f}s", flush=True)
+    print_table(results)
+    print("\nStep-time model against FACTS.md's published anchors (32 × trn1.32xlarge, seq 8192, bf16):")
+    rows = anchors()
+    ok = all(r["max_abs_error"] <= 0.15 for r in results)
+    out = ROOT / "bench" / "results" / "planner.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cases": results, "within_15pct": ok, "anchors": rows}, indent=1))
+    print(f"\n{sum(r['max_abs_error'] <= 0.15 for r in results)}/{len(results)} cases within ±15% on every rank; "
+          f"written {out.relative_to(ROOT)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

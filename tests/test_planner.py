@@ -1,0 +1,178 @@
+"""The planner: hardware catalog, memory model and ranked layouts, against FACTS.md's figures and
+published configurations. Pure Python (no torch, no processes) except the check_plan round trip,
+which reads the tiny model's config. Memory calibration against real runs is bench/planner.py."""
+
+import json
+
+import pytest
+
+from neuron_parallel.hardware import GiB, get_hardware, hardware_names, load_hardware
+from neuron_parallel.memory import ModelShape, max_bucket, model_states_bytes, stage_memory, zero_partition
+from neuron_parallel.planner import plan
+
+# Public shapes (Hugging Face config.json of meta-llama/Llama-3.1-8B and -70B).
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
+
+
+@pytest.fixture(scope="module")
+def plans_trn1():
+    """The three trn1 reports, planned once (about a second each)."""
+    kw = dict(seq_len=8192, global_batch=1024)
+    return {
+        "8b-32": plan(LLAMA_8B, "trn1.32xlarge", nodes=32, **kw),
+        "70b-1": plan(LLAMA_70B, "trn1.32xlarge", nodes=1, **kw),
+        "70b-32": plan(LLAMA_70B, "trn1.32xlarge", nodes=32, **kw),
+    }
+
+
+def _published(report, tp, pp, dp):
+    return [c for c in report.plans if c.valid and (c.tp, c.pp, c.dp) == (tp, pp, dp) and c.zero_1
+            and c.sequence_parallel and c.activation_checkpointing and c.pipeline_schedule == "1f1b"]
+
+
+def test_zero_paper_test_vector():
+    # FACTS.md: Ψ = 7.5e9, dp = 64 → 120 GB plain, 31.4 GB with ZeRO-1 (4Ψ + 12Ψ/dp).
+    assert model_states_bytes(7.5e9, dp=64, zero_1=False, precision="bf16") == 120e9
+    assert round(model_states_bytes(7.5e9, dp=64, zero_1=True, precision="bf16") / 1e9, 1) == 31.4
+    # The engine's fp32 mode: 16 bytes/param, ZeRO-1 shards the 8 bytes of Adam moments.
+    assert model_states_bytes(1e9, dp=8, zero_1=True, precision="fp32") == 8e9 + 1e9
+
+
+def test_model_shape_counts_parameters_like_check_plan(tmp_path):
+    from neuron_parallel.plan import count_parameters
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    for source in (LLAMA_8B, tmp_path, tmp_path / "config.json", str(tmp_path)):
+        shape = ModelShape.from_config(source)
+        assert shape.num_parameters == count_parameters(shape.as_config()) == 8_030_261_248
+    assert ModelShape.from_config(LLAMA_70B).num_parameters == 70_553_706_496
+    with pytest.raises(ValueError, match="lacks"):
+        ModelShape.from_config({"hidden_size": 8})
+
+
+def test_zero_partition_replays_zero_redundancy_optimizer():
+    # Matrices first, largest first onto the least-loaded rank; then vectors.
+    sizes = ((100, True), (60, True), (50, True), (10, False), (10, False))
+    # 100 → r0, 60 → r1, 50 → r1 (110), 10 → r0 (110), 10 → r0 on the tie (lowest index)
+    assert zero_partition(sizes, 2) == ((120, 100), (110, 60))
+    # Two flat buckets are alive at once while the dp all-reduce walks the grads.
+    assert max_bucket([10, 20, 5], cap=25) == 35 and max_bucket([8], cap=25) == 8
+
+
+def test_hardware_catalog(tmp_path):
+    trn2 = get_hardware("trn2.48xlarge")
+    assert (trn2.ranks_per_node, trn2.memory_per_rank, trn2.device, trn2.backend) == (64, 24 * GiB, "neuron", "neuron")
+    assert round(trn2.peak_flops_per_rank / 1e12) == 167  # FACTS: 667 TFLOP/s per chip, 4 ranks at LNC=2
+    trn1 = get_hardware("trn1")
+    assert (trn1.ranks_per_node, trn1.memory_per_rank, trn1.planning_only) == (32, 16 * GiB, True)
+    assert get_hardware("p5.48xlarge").backend == "nccl" and get_hardware("h200x8").memory_per_rank == 141e9
+    cpu = get_hardware("cpu", 2)
+    assert (cpu.ranks_per_node, cpu.backend) == (2, "gloo") and cpu.memory_per_rank > 0
+    assert {"trn1.32xlarge", "trn2.48xlarge", "trn3", "p5.48xlarge", "h200x8", "cpu"} <= set(hardware_names())
+    path = tmp_path / "trn1n.yaml"
+    path.write_text("ranks_per_node: 32\nmemory_per_rank: 16GiB\npeak_flops_per_rank: 95e12\n"
+                    "intra_node_bw: 384GiB\ninter_node_bw: 200e9\ndevice: neuron\n")
+    spec = load_hardware(path)
+    assert spec.name == "trn1n" and spec.memory_per_rank == 16 * GiB and get_hardware("trn1n") is spec
+    trn1n = get_hardware("trn1n.32xlarge")  # configs/hardware/trn1n.32xlarge.yaml
+    assert trn1n.inter_node_bw == 2 * trn1.inter_node_bw and "trn1n.32xlarge" in hardware_names()
+    with pytest.raises(ValueError, match="unknown hardware 'trn9'"):
+        get_hardware("trn9")
+
+
+def test_llama_8b_on_32_trn1(plans_trn1):
+    report = plans_trn1["8b-32"]
+    assert report.feasible and report.best.fits and report.world_size == 1024
+    best = report.best
+    assert best.tp * best.pp * best.dp == 1024 and best.memory_per_rank_bytes <= 16 * GiB
+    # The published configuration: TP32, DP32, ZeRO-1 (with SP and recompute, as published runs use).
+    published = _published(report, 32, 1, 32)
+    assert published and all(c.fits for c in published)
+    assert any(c.fits for c in report.plans if (c.tp, c.pp, c.dp, c.zero_1) == (32, 1, 32, True)
+               and not c.activation_checkpointing)
+    assert "KV heads replicated 4x" in published[0].notes[0]
+    # Per-rank breakdown and step time are there, and MFU is plausible.
+    assert {"params", "grads", "optimizer", "activations", "loss", "allocator_margin", "total"} <= set(best.memory)
+    assert 0.05 < best.mfu < 0.6 and best.tokens_per_s > 0
+
+
+def test_llama_70b_on_one_trn1_is_infeasible(plans_trn1):
+    report = plans_trn1["70b-1"]
+    assert not report.feasible and report.best is None
+    assert "needs" in report.reason and "at least 3 nodes" in report.reason
+    assert all(not c.fits and c.reason for c in report.plans)
+    smallest = report.plans[0]
+    assert smallest.memory_per_rank_bytes > 16 * GiB and "16.0 GiB" in smallest.reason
+
+
+def test_llama_70b_on_32_trn1(plans_trn1):
+    report = plans_trn1["70b-32"]
+    assert report.feasible
+    published = _published(report, 32, 8, 4)
+    assert published and all(c.fits for c in published)
+    # Without recompute the same split does not fit: the activations of 8 in-flight microbatches.
+    bare = [c for c in report.plans if (c.tp, c.pp, c.dp) == (32, 8, 4) and not c.activation_checkpointing
+            and c.pipeline_schedule == "1f1b" and c.valid]
+    assert bare and not any(c.fits for c in bare) and "activations" in bare[0].reason
+
+
+def test_constraints_name_the_reason():
+    shape = dict(LLAMA_8B, num_attention_heads=24, num_key_value_heads=8, num_hidden_layers=4, vocab_size=1000)
+    report = plan(shape, "p5.48xlarge", nodes=2, seq_len=1024, global_batch=6)
+    reasons = {(c.tp, c.pp): c.reason for c in report.plans if not c.valid}
+    assert "does not fit within a p5.48xlarge node of 8 ranks" in reasons[(16, 1)]
+    assert "does not divide the 24 attention heads" in reasons[(16, 1)]
+    assert "exceeds the model's 4 layers" in reasons[(1, 8)]
+    assert "global batch 6 is not divisible by dp=4" in reasons[(4, 1)]
+    assert "vocab_size=1000" in reasons[(16, 1)]
+    fitting = [c for c in report.plans if c.fits]
+    assert fitting and all(c.valid and c.reason is None for c in fitting)
+    # Best first: fitting plans by predicted tokens/s.
+    speeds = [c.tokens_per_s for c in fitting]
+    assert speeds == sorted(speeds, reverse=True) or max(speeds) == speeds[0]
+
+
+def test_pipeline_memory_follows_the_schedule():
+    shape = ModelShape.from_config(LLAMA_8B)
+    kw = dict(tp=8, pp=4, dp=1, zero_1=False, sp=True, recompute=0, micro_batch=1, seq_len=4096,
+              num_microbatches=16, grad_accum=1, virtual_stages=1, precision="bf16", layers=[8] * 4)
+    one_f = stage_memory(shape, schedule="1f1b", pp_rank=0, **kw)
+    gpipe = stage_memory(shape, schedule="gpipe", pp_rank=0, **kw)
+    last = stage_memory(shape, schedule="1f1b", pp_rank=3, **kw)
+    assert gpipe.activations > 3 * one_f.activations  # 16 in flight against p = 4
+    assert last.loss > 0 and one_f.loss == 0  # the logits live on the last stage only
+
+
+def test_tiny_cpu_best_plan_passes_check_plan(tiny_world):
+    from neuron_parallel.config import JobConfig, TrainConfig
+    from neuron_parallel.plan import check_plan
+
+    report = plan(tiny_world["model"], get_hardware("cpu", 2), nodes=1, seq_len=128, global_batch=16,
+                  precision="fp32")
+    assert report.feasible
+    for c in [report.best] + [c for c in report.plans if c.fits]:
+        job = JobConfig(model_path=tiny_world["model"], dataset_path="", output_dir="", block_size=128,
+                        parallel=c.to_parallel_config(),
+                        train=TrainConfig(micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum))
+        checked = check_plan(job)
+        assert checked.world_size == 2 and checked.global_batch_size == 16
+        assert job.parallel.mixed_precision == "fp32"
+
+
+def test_cli_plan_json(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    args = ["plan", "--model", str(tmp_path), "--hardware", "trn1.32xlarge", "--nodes", "1", "--seq-len", "8192",
+            "--global-batch", "1024", "--json"]
+    assert main(args) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] is False and out["plans"] and "at least 3 nodes" in out["reason"]
+    keys = {"tp", "pp", "dp", "zero_1", "sequence_parallel", "num_microbatches", "activation_checkpointing",
+            "memory_per_rank_bytes", "fits", "tokens_per_s", "memory", "reason"}
+    assert all(keys <= set(p) and p["reason"] for p in out["plans"])
+    assert main(["plan", "--model", json.dumps(LLAMA_8B), "--hardware", "h200x8", "--nodes", "1",
+                 "--seq-len", "4096", "--global-batch", "64"]) == 0
+    assert "feasible: True" in capsys.readouterr().out
