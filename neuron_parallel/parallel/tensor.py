@@ -289,7 +289,7 @@ class _ReplicatedKVColwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module) is not nn.Linear:
-            raise NotImplementedError(f"KV-head replication supports nn.Linear, got {type(module).__name__}")
+            raise ValueError(f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; use tp <= num_key_value_heads for this model")
         for name, p in list(module.named_parameters(recurse=False)):
             dp = distribute_tensor(p, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dp, requires_grad=p.requires_grad))
