@@ -11,24 +11,14 @@ from ``neuron_parallel.tiny.make_tiny_world`` (GQA, untied), data its pydoc corp
 ``neuron_parallel.data.tokenize_dataset``; fp32 on CPU with gloo; dp, tp, sp, pp (1F1B and
 GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode.
 
-How memory is measured. CPU tensors have no allocator statistics like ``torch.cuda``'s, and
-process RSS mixes in the interpreter, libraries, the dataset's memory map and freed-but-cached
-pages. So each rank runs under ``torch.profiler.profile(profile_memory=True)``: with memory
-profiling on, c10's CPU allocator reports every tensor storage allocation and free
-(``ProfiledCPUMemoryReporter``) with its size and the running total of bytes allocated since
-profiling began. The profiler starts before ``run_training``, so the model, gradients, optimizer
-state, activations, pipeline buffers and every temporary an op allocates are all counted (memory
-that gloo or Python allocate outside tensors is not). The measured peak of a rank is the largest
-running total over all its steps. One catch, found while building this: the allocator keeps
-that total only in threads the profiler watches, and gloo's worker threads release some
-tensors, so their frees went missing and the total drifted up (by ~15 % in a tp=2 run); c10's
-``caffe2_report_cpu_memory_usage`` flag, set through ctypes, makes it count in every thread.
-The method is checked on a known pattern before the cases run (allocate 100 MB + 50 MB, free
-100, a 10 MB tensor and a 50 MB temporary, free the 10 MB in another thread: the peak must read
-exactly 150 000 000 bytes and the end the 1 000 000 still held). Engine methods are wrapped in ``record_function`` ranges so the table can
-say in which phase (forward/backward, reduction, optimizer) the peak fell.
+How memory is measured: ``neuron_parallel.memprof`` (c10's CPU allocator reports every tensor
+allocation and free to the profiler with a running total; counted in every thread; verified on a
+known 150 MB pattern before the cases run). The profiler starts before ``run_training``, so the
+model, gradients, optimizer state, activations, pipeline buffers and every temporary an op
+allocates are counted. Engine methods are wrapped in ``record_function`` phase ranges so the
+table can say in which phase (forward/backward, reduction, optimizer) the peak fell.
 
-Prediction: ``neuron_parallel.memory.stage_memory`` for that rank's (pp rank, dp rank), i.e.
+Prediction: ``neuron_parallel.memory.job_rank_memory`` for that rank's (pp rank, dp rank), i.e.
 the planner's own model, tensor bytes only (the allocator margin the planner adds for device
 allocators is not tensor memory and is left out here). Constants are those stated in
 ``neuron_parallel/memory.py``; nothing is fitted per case. A case passes when every rank is
@@ -51,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from neuron_parallel.memory import job_rank_memory  # noqa: E402
+from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method  # noqa: E402
 
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 WIDE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2)
@@ -75,84 +68,10 @@ CASES = {
 QUICK = ["small-1rank", "small-dp2-zero1", "small-tp2-sp", "small-pp2-1f1b", "small-recompute", "wide-tp4-kvrep"]
 
 
-def _profile_allocations(prof) -> list[tuple[int, int]]:
-    """(time ns, bytes allocated so far) for every CPU allocation/free the profiler saw."""
-    from torch._C._profiler import _EventType
-
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    ranges = []
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            out.append((node.start_time_ns, node.extra_fields.total_allocated))
-        elif node.name.startswith("bench:"):
-            ranges.append((node.start_time_ns, node.end_time_ns, node.name[6:]))
-    return sorted(out), sorted(ranges)
-
-
-def _peak(events, ranges) -> dict:
-    """Overall peak and the peak inside each phase range."""
-    import bisect
-
-    starts = [r[0] for r in ranges]
-    peak, at, phases = 0, "other", {}
-    for t, total in events:
-        i = bisect.bisect_right(starts, t) - 1
-        name = ranges[i][2] if i >= 0 and t <= ranges[i][1] else "other"
-        phases[name] = max(phases.get(name, 0), total)
-        if total > peak:
-            peak, at = total, name
-    return {"peak": peak, "phase": at, "phases": phases}
-
-
-def track_all_threads() -> None:
-    """Make c10's CPU allocator keep its byte count in every thread, not only in threads the
-    profiler watches: gloo's worker threads drop the last reference to some tensors, and
-    without this their frees are never subtracted, so the running total drifts upward
-    (``check_method`` shows it). The switch is c10's ``caffe2_report_cpu_memory_usage`` flag,
-    which has no Python setter, so it is set through ctypes."""
-    import ctypes
-
-    import torch
-
-    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
-    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
-
-
-def check_method() -> int:
-    """The measurement on a known allocation pattern, including a free in another thread: must
-    read exactly 150 MB at the peak and come back to the bytes still held."""
-    import threading
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    track_all_threads()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        a = torch.empty(25_000_000)
-        b = torch.ones(12_500_000)
-        del a
-        held = [torch.zeros(2_500_000)]
-        (b * 2).sum()  # a 50 MB temporary: 50 + 10 + 50 = 110 MB, below the 150 MB peak
-        worker = threading.Thread(target=held.clear)  # the 10 MB tensor dies in another thread
-        worker.start()
-        worker.join()
-        keep = torch.ones(250_000)
-        del b
-    events, _ = _profile_allocations(prof)
-    peak, last = _peak(events, [])["peak"], events[-1][1]
-    if peak != 150_000_000 or last != 1_000_000:
-        raise SystemExit(f"memory measurement reads peak {peak} and final {last} bytes on a pattern of 150 000 000 "
-                         "and 1 000 000; not trustworthy here")
-    del keep
-    return peak
-
-
 def worker(job_path: str, out_dir: str) -> None:
     """Inside torchrun: run_training(job) under the memory profiler; one JSON per rank."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     import neuron_parallel.train as train
     from neuron_parallel.config import JobConfig
@@ -171,35 +90,15 @@ def worker(job_path: str, out_dir: str) -> None:
     train.CheckpointWriter = NoCheckpoints
     for name in ("forward_backward", "reduce_and_clip", "optimizer_step"):
         def wrapped(self, *args, _fn=getattr(Engine, name), _name=name, **kwargs):
-            with record_function(f"bench:{_name}"):
+            with record_function(f"{PHASE_PREFIX}{_name}"):
                 return _fn(self, *args, **kwargs)
         setattr(Engine, name, wrapped)
     torch.set_num_threads(1)
-    track_all_threads()
     rank = int(os.environ.get("RANK", "0"))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with TensorMemoryProfile() as probe:
         train.run_training(JobConfig.load(job_path))
-    result = _peak(*_profile_allocations(prof))
+    result = probe.peak()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
-
-
-def predict(shape, job, rank: int):
-    """The planner's memory model for global rank ``rank`` of ``job``."""
-    from neuron_parallel.memory import even_layer_split, stage_memory
-
-    pc = job.parallel
-    dp_rank, rest = divmod(rank, pc.pp * pc.tp)
-    pp_rank = rest // pc.tp
-    m = pc.num_microbatches if pc.pp > 1 else 1
-    return stage_memory(
-        shape, tp=pc.tp, pp=pc.pp, dp=pc.dp, zero_1=pc.zero_1, sp=pc.sequence_parallel,
-        recompute=pc.activation_checkpointing, micro_batch=job.train.micro_batch_size // m, seq_len=job.block_size,
-        num_microbatches=m, grad_accum=job.train.grad_accum, schedule=pc.pipeline_schedule,
-        virtual_stages=pc.virtual_stages, precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
-        pp_rank=pp_rank,
-        layers=even_layer_split(shape.num_layers, pc.num_stages),
-        dp_rank=dp_rank,
-    )
 
 
 def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
@@ -228,7 +127,7 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
     ranks = []
     for r in range(world):
         meas = json.loads((run_dir / f"rank{r}.json").read_text())
-        pred = predict(shape, job, r)
+        pred = job_rank_memory(shape, job, r)
         ranks.append({"rank": r, "measured": meas["peak"], "measured_phase": meas["phase"],
                       "measured_phases": meas["phases"], "predicted": pred.as_dict(),
                       "error": pred.total / meas["peak"] - 1})

@@ -24,14 +24,14 @@ def _config(args):
 
 
 def _preflight(config):
-    """Check the layout against the model's config before any data is touched (local models;
-    a Hub model is checked by the plan step once fetched)."""
+    """Check (or, for auto fields, choose) the layout against the model's config before any data
+    is touched (local models; a Hub model is checked by the plan step once fetched)."""
     from pathlib import Path
 
-    from neuron_parallel.plan import check_plan
+    from tasks.config import resolve_layout
 
     if (Path(config.model.name_or_path) / "config.json").is_file():
-        check_plan(config.to_job(model_path=config.model.name_or_path, dataset_path=""))
+        resolve_layout(config, config.model.name_or_path)
 
 
 def cmd_run(args) -> int:
@@ -65,7 +65,7 @@ def cmd_train(args) -> int:
     from neuron_parallel.data import tokenize_dataset
     from neuron_parallel.launch import run_torchrun
     from neuron_parallel.models.causal_lm import resolve_model_dir
-    from neuron_parallel.plan import check_plan
+    from tasks.config import resolve_layout
 
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
     ds = tokenize_dataset(
@@ -76,8 +76,10 @@ def cmd_train(args) -> int:
         text_field=config.data.text_field,
         split=config.data.split,
     )
-    job = config.to_job(model_path=model_dir, dataset_path=ds.path)
-    check_plan(job)
+    layout, report = resolve_layout(config, model_dir, ds.path)
+    if report is not None:
+        print(f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True)
+    job = config.to_job(model_path=model_dir, dataset_path=ds.path, plan=layout)
 
     def show(event: dict) -> None:
         kind = event.pop("event")

@@ -21,7 +21,7 @@ def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:
     result = train(config, dataset, layout)
     checkpoint = validate(result)
     model_dir = consolidate(config, checkpoint)
-    commit = upload(config, model_dir, result)
+    commit = upload(config, model_dir, result, layout)
     return {
         "run_dir": result.run_dir,
         "checkpoint": checkpoint,

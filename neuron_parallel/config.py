@@ -141,6 +141,11 @@ class TrainConfig:
     """adamw, or sgd (exact update, used for parity checks)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    profile_memory: bool = False
+    """Measure every rank's peak tensor memory over the training steps (checkpoint writes
+    excluded) and report it next to the planner's prediction (``memory.json``, a ``memory``
+    event). On CPU through the profiler (``neuron_parallel.memprof``: slower steps), on
+    accelerators from the device allocator's statistics."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every"):
@@ -176,8 +181,6 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     resume_from: str | None = None
     """Another run directory (or checkpoint) to continue from when output_dir has none."""
-    fail_after_step: int | None = None
-    """Exit with an error right after this step's checkpoint (failure injection for tests)."""
 
     @property
     def global_batch_size(self) -> int:

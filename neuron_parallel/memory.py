@@ -363,3 +363,20 @@ def even_layer_split(num_layers: int, num_stages: int) -> list[int]:
         raise ValueError(f"{num_stages} pipeline stages exceed the model's {num_layers} layers")
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
+    """The model above for global rank ``rank`` of an engine job (``neuron_parallel.config.JobConfig``):
+    its pp and dp coordinates, the job's layer split, microbatching and precision (the engine's
+    bf16 mode keeps fp32 states, ``bf16_autocast``)."""
+    pc = job.parallel
+    dp_rank, rest = divmod(rank, pc.pp * pc.tp)
+    m = pc.num_microbatches if pc.pp > 1 else 1
+    return stage_memory(
+        shape, tp=pc.tp, pp=pc.pp, dp=pc.dp, zero_1=pc.zero_1, sp=pc.sequence_parallel,
+        recompute=pc.activation_checkpointing, micro_batch=job.train.micro_batch_size // m, seq_len=job.block_size,
+        num_microbatches=m, grad_accum=job.train.grad_accum, schedule=pc.pipeline_schedule,
+        virtual_stages=pc.virtual_stages, precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
+        pp_rank=rest // pc.tp, layers=pc.layer_split or even_layer_split(shape.num_layers, pc.num_stages),
+        dp_rank=dp_rank,
+    )

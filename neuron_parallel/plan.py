@@ -16,7 +16,13 @@ class Plan:
     global_batch_size: int
     num_parameters: int
     layers_per_stage: list[int]
+    micro_batch_size: int = 1
+    """Sequences per dp rank per forward/backward (``train.micro_batch_size``)."""
+    grad_accum: int = 1
     notes: list[str] = field(default_factory=list)
+    predicted_memory_bytes: int | None = None
+    """The planner's memory per rank (worst rank, with its allocator margin), when it chose this."""
+    predicted_tokens_per_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,5 +89,7 @@ def check_plan(job: JobConfig) -> Plan:
         global_batch_size=job.global_batch_size,
         num_parameters=count_parameters(config),
         layers_per_stage=[len(r) for r in split],
+        micro_batch_size=mbs,
+        grad_accum=job.train.grad_accum,
         notes=notes,
     )

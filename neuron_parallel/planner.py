@@ -146,21 +146,29 @@ def _tp_problems(shape: ModelShape, tp: int, hw: HardwareSpec, seq_len: int) -> 
     return out
 
 
-def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: int):
-    """Every (zero_1, sp, recompute, schedule, v, m, b, accum) for a valid (tp, pp, dp), or a reason."""
-    for zero in ([False, True] if dp > 1 else [False]):
-        for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
-            for ac in (0, 1):
+def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: int, fixed: dict):
+    """Every (zero_1, sp, recompute, schedule, v, m, b, accum) for a valid (tp, pp, dp); a value in
+    ``fixed`` replaces the choices for its field (schedule, v and m only matter when pp > 1)."""
+    zeros = [fixed["zero_1"]] if "zero_1" in fixed else ([False, True] if dp > 1 else [False])
+    sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [False, True]
+    acs = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else [0, 1]
+    scheds = [fixed["pipeline_schedule"]] if "pipeline_schedule" in fixed else SCHEDULES
+    for zero in zeros:
+        for sp in sps:
+            if sp and (tp == 1 or seq_len % tp):
+                continue
+            for ac in acs:
                 for b in (b for b in MICRO_BATCHES if batch % b == 0):
                     total = batch // b
                     if pp == 1:
                         yield zero, sp, ac, "1f1b", 1, 1, b, total
                         continue
-                    for sched in SCHEDULES:
-                        v = 2 if sched == "interleaved_1f1b" else 1
-                        if pp * v > shape.num_layers:
+                    for sched in scheds:
+                        v = fixed.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
+                        if pp * v > shape.num_layers or (v > 1) != (sched == "interleaved_1f1b"):
                             continue
-                        for m in sorted({pp, 2 * pp, total}):
+                        ms = [fixed["num_microbatches"]] if "num_microbatches" in fixed else sorted({pp, 2 * pp, total})
+                        for m in ms:
                             if m > total or total % m or (sched != "gpipe" and m < pp):
                                 continue
                             if sched == "interleaved_1f1b" and m % max(1, m // pp):
@@ -263,13 +271,27 @@ def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) 
     return None
 
 
+FIXABLE = ("tp", "pp", "zero_1", "sequence_parallel", "num_microbatches", "pipeline_schedule", "virtual_stages",
+           "activation_checkpointing")
+
+
 def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len: int, global_batch: int,
-         precision: str = "bf16", ranks_per_node: int | None = None) -> PlanReport:
+         precision: str = "bf16", ranks_per_node: int | None = None, fixed: dict | None = None) -> PlanReport:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
     read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
     ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
-    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode)."""
+    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode).
+    ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
+    those values are considered, and a pinned value is evaluated even where the free search
+    would not try it (``activation_checkpointing=2``, ``num_microbatches=6``)."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise ValueError(f"cannot pin {unknown}; the planner's fields are {', '.join(FIXABLE)}")
+    if fixed.get("pipeline_schedule") == "zbv":
+        raise ValueError("the planner has no model of the zbv schedule; pin pipeline_schedule to 1f1b, "
+                         "interleaved_1f1b or gpipe, or give the whole layout explicitly")
     if precision not in STATES:
         raise ValueError(f"precision={precision!r} is not one of {sorted(STATES)}")
     if nodes < 1 or seq_len < 1 or global_batch < 1:
@@ -279,8 +301,12 @@ def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len:
     world = nodes * hw.ranks_per_node
     out: list[Candidate] = []
     for tp in _divisors(world):
+        if fixed.get("tp", tp) != tp:
+            continue
         tp_why = _tp_problems(shape, tp, hw, seq_len)
         for pp in _divisors(world // tp):
+            if fixed.get("pp", pp) != pp:
+                continue
             dp = world // (tp * pp)
             why = list(tp_why)
             if pp > shape.num_layers:
@@ -293,7 +319,7 @@ def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len:
             if why:
                 out.append(Candidate(tp=tp, pp=pp, dp=dp, precision=precision, valid=False, reason="; ".join(why)))
                 continue
-            for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, dp, global_batch // dp, seq_len):
+            for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, dp, global_batch // dp, seq_len, fixed):
                 c = Candidate(tp=tp, pp=pp, dp=dp, zero_1=zero, sequence_parallel=sp, num_microbatches=m,
                               pipeline_schedule=sched, virtual_stages=v, activation_checkpointing=ac,
                               micro_batch_size=m * b, grad_accum=accum, precision=precision)
@@ -307,7 +333,10 @@ def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len:
                         precision=precision, plans=out)
     if not report.feasible:
         valid = [c for c in out if c.valid]
-        if not valid:
+        if not out:
+            report.reason = (f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
+                             "sequence_parallel needs tp > 1; unpin a field (set it to auto)")
+        elif not valid:
             report.reason = f"no split of {world} ranks suits this model and batch: {out[0].reason}"
         else:
             least = min(valid, key=lambda c: c.memory_per_rank_bytes)

@@ -10,6 +10,7 @@ line prefixed with ``EVENT_PREFIX``, which the launcher turns into progress even
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -24,12 +25,15 @@ from .checkpoint.resume import find_resume_checkpoint
 from .config import JobConfig
 from .data import BlockStream
 from .engine import build_engine
+from .memory import ModelShape, job_rank_memory
+from .memprof import PHASE_PREFIX, TensorMemoryProfile
 from .mesh import ParallelDims, init_distributed, local_device
 from .optim import lr_at
 from .plan import check_plan
 
 EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
+"""Failure injection: every rank exits with an error right after the checkpoint of this step."""
 
 
 def emit(event: str, **fields) -> None:
@@ -52,13 +56,27 @@ def run_training(job: JobConfig) -> None:
     device = local_device(job.device)
     pc = job.parallel
     dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
-    coords = dims.coordinates()
     rank = dist.get_rank()
     run_dir = Path(job.output_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    torch.manual_seed(job.train.seed)
+    probe = _MemoryProbe(job.device) if job.train.profile_memory else None
+    with probe or contextlib.nullcontext():
+        _run(job, dims, device, rank, run_dir, probe)
+    if probe:
+        probe.report(job, rank, run_dir)
+    dist.barrier()
+    emit("done", step=job.train.max_steps, run_dir=str(run_dir))
+    dist.destroy_process_group()
 
-    stream = BlockStream(job.dataset_path, seed=job.train.seed)
+
+def _phase(probe, name: str):
+    return probe.phase(name) if probe else contextlib.nullcontext()
+
+
+def _run(job: JobConfig, dims: ParallelDims, device, rank: int, run_dir: Path, probe) -> None:
+    tc = job.train
+    metrics_path = run_dir / "metrics.jsonl"
+    torch.manual_seed(tc.seed)
+    stream = BlockStream(job.dataset_path, seed=tc.seed)
     engine = build_engine(job, dims, device)
 
     start_step = 0
@@ -68,22 +86,28 @@ def run_training(job: JobConfig) -> None:
     for why in shared[1]:
         emit("warning", message=why)
     if shared[0]:
-        tensors = CheckpointTensors(shared[0])
-        start_step = tensors.manifest.step
-        engine.load_checkpoint(tensors, start_step)
+        with _phase(probe, "load"):
+            tensors = CheckpointTensors(shared[0])
+            start_step = tensors.manifest.step
+            engine.load_checkpoint(tensors, start_step)
+            del tensors
         emit("resumed", step=start_step, checkpoint=shared[0])
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_path, start_step)
-    emit("start", step=start_step, max_steps=job.train.max_steps, world_size=dims.world_size, **_layout(job))
+    emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **_layout(job))
 
-    tc = job.train
+    writer = CheckpointWriter(run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints,
+                              async_save=tc.async_save)
+    _train_steps(job, engine, stream, dims, device, writer, start_step, rank, metrics_path, probe)
+
+
+def _train_steps(job, engine, stream, dims, device, writer, start_step, rank, metrics_path, probe) -> None:
+    tc, pc = job.train, job.parallel
     G = job.global_batch_size
-    mbs, dp_rank = tc.micro_batch_size, coords["dp_rank"]
+    mbs, dp_rank = tc.micro_batch_size, dims.coordinates()["dp_rank"]
     tokens_per_step = G * job.block_size
     fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
-    writer = CheckpointWriter(run_dir, coords=coords, model_dir=job.model_path, keep=tc.keep_checkpoints,
-                              async_save=tc.async_save)
     t_start = time.perf_counter()
     for step in range(start_step + 1, tc.max_steps + 1):
         t0 = time.perf_counter()
@@ -117,33 +141,79 @@ def run_training(job: JobConfig) -> None:
             emit("step", max_steps=tc.max_steps, **record)
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
             t_save = time.perf_counter()
-            path = writer.save(
-                step,
-                model=engine.model_tensors(),
-                optim=engine.optim_tensors(dp_rank),
-                parallel=pc,
-                trainer_state={
-                    "step": step,
-                    "tokens_seen": step * tokens_per_step,
-                    "samples_seen": step * G,
-                    "global_batch_size": G,
-                    "lr": lr,
-                    "lr_schedule": {k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")},
-                    "seed": tc.seed,
-                    "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
-                    "metrics": record,
-                },
-            )
+            with _phase(probe, "save"):
+                path = _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record)
             emit("checkpoint", step=step, path=str(path), blocked_s=time.perf_counter() - t_save, async_save=tc.async_save)
-            if fail_after and step >= fail_after:
+            if fail_after and step == fail_after:  # a run resumed past it does not fail again
                 writer.wait()
                 dist.barrier()
                 emit("failure_injected", step=step)
                 os._exit(3)
-    writer.wait()
-    dist.barrier()
-    emit("done", step=tc.max_steps, run_dir=str(run_dir))
-    dist.destroy_process_group()
+    with _phase(probe, "save"):
+        writer.wait()
+
+
+def _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record) -> Path:
+    return writer.save(
+        step,
+        model=engine.model_tensors(),
+        optim=engine.optim_tensors(dp_rank),
+        parallel=pc,
+        trainer_state={
+            "step": step,
+            "tokens_seen": step * tokens_per_step,
+            "samples_seen": step * G,
+            "global_batch_size": G,
+            "lr": lr,
+            "lr_schedule": {k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")},
+            "seed": tc.seed,
+            "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
+            "metrics": record,
+        },
+    )
+
+
+class _MemoryProbe:
+    """Peak tensor memory of this rank from before the model is built to the last step;
+    checkpoint loads and saves excluded (``train.profile_memory``)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.cpu = TensorMemoryProfile() if device == "cpu" else None
+        self.measured: dict = {}
+
+    def __enter__(self):
+        if self.cpu:
+            self.cpu.__enter__()
+        else:
+            torch.accelerator.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cpu:
+            self.cpu.__exit__(*exc)
+            self.measured = self.cpu.peak(exclude=("save", "load"))
+        else:
+            self.measured = {"peak": torch.accelerator.max_memory_allocated(), "phase": "all (device allocator)"}
+
+    def phase(self, name: str):
+        if self.cpu:
+            return torch.profiler.record_function(PHASE_PREFIX + name)
+        return contextlib.nullcontext()
+
+    def report(self, job: JobConfig, rank: int, run_dir: Path) -> None:
+        """Gather every rank's measurement next to the planner's prediction; rank 0 writes
+        ``memory.json`` and emits a ``memory`` event."""
+        predicted = job_rank_memory(ModelShape.from_config(job.model_path), job, rank)
+        mine = {"rank": rank, "measured_bytes": int(self.measured["peak"]), "phase": self.measured["phase"],
+                "predicted_bytes": int(predicted.total), "predicted": {k: int(v) if isinstance(v, float | int) else v
+                                                                  for k, v in predicted.as_dict().items()}}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            (run_dir / "memory.json").write_text(json.dumps(everyone, indent=1))
+            emit("memory", ranks=[{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")}
+                                  for r in everyone])
 
 
 def _layout(job: JobConfig) -> dict:

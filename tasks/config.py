@@ -4,14 +4,22 @@ library's dataclasses."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from neuron_parallel.config import JobConfig, LaunchConfig, ParallelConfig, TrainConfig
+from neuron_parallel.plan import Plan, check_plan
+
+AUTO = "auto"
+Auto = Literal["auto"]
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+DEVICE_HARDWARE = {"cpu": "cpu", "cuda": "p5.48xlarge", "neuron": "trn2.48xlarge"}
 
 
 class _Section(BaseModel):
@@ -34,16 +42,30 @@ class DataSection(_Section):
 
 
 class ParallelSection(_Section):
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree.")
-    zero_1: bool = Field(False, description="Shard optimizer state over data-parallel ranks (ZeRO-1).")
-    sequence_parallel: bool = Field(False, description="Sequence parallelism in norms (needs tp > 1).")
-    num_microbatches: int = Field(1, ge=1, description="Pipeline microbatches per micro-batch.")
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
-    virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (interleaved schedules).")
-    layer_split: list[int] | None = Field(None, description="Decoder layers per stage; default even.")
-    activation_checkpointing: int = Field(0, ge=0, description="Recompute every k-th layer; 0 = off.")
+    """Every field but ``layer_split`` and ``mixed_precision`` may be ``auto``: the plan step then
+    asks the planner (``neuron_parallel.planner``) for the fastest layout that fits, keeping the
+    fields that are set."""
+
+    tp: Positive | Auto = Field(AUTO, description="Tensor-parallel degree.")
+    pp: Positive | Auto = Field(AUTO, description="Pipeline-parallel degree.")
+    zero_1: bool | Auto = Field(AUTO, description="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    sequence_parallel: bool | Auto = Field(AUTO, description="Sequence parallelism in norms (needs tp > 1).")
+    num_microbatches: Positive | Auto = Field(AUTO, description="Pipeline microbatches per micro-batch (pp > 1).")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "auto"] = AUTO
+    virtual_stages: Positive | Auto = Field(AUTO, description="Model chunks per pipeline rank (interleaved schedules).")
+    layer_split: list[int] | None = Field(None, description="Decoder layers per stage; default even (needs a fixed pp).")
+    activation_checkpointing: NonNegative | Auto = Field(AUTO, description="Recompute every k-th layer; 0 = off.")
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
+
+    def fixed(self) -> dict[str, Any]:
+        """The layout fields that are set (not ``auto``)."""
+        names = ("tp", "pp", "zero_1", "sequence_parallel", "num_microbatches", "pipeline_schedule",
+                 "virtual_stages", "activation_checkpointing")
+        return {n: getattr(self, n) for n in names if getattr(self, n) != AUTO}
+
+    @property
+    def is_auto(self) -> bool:
+        return len(self.fixed()) < 8
 
 
 class TrainSection(_Section):
@@ -52,8 +74,13 @@ class TrainSection(_Section):
     keep_checkpoints: int = Field(3, ge=0, description="Keep the newest K complete checkpoints; 0 = all.")
     async_save: bool = Field(False, description="Write checkpoints in the background; training waits only for the host copy.")
     seed: int = 0
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per data-parallel rank per micro-batch.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per data-parallel rank per micro-batch "
+                                  "(chosen by the planner when the layout is auto).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (chosen by the planner when "
+                            "the layout is auto).")
+    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step. Default "
+                                          "micro_batch_size × grad_accum × data-parallel ranks; with an auto "
+                                          "layout, micro_batch_size × grad_accum × all ranks.")
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
@@ -63,6 +90,8 @@ class TrainSection(_Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     log_every: int = Field(1, ge=1)
     resume_from: str | None = Field(None, description="Continue another run's directory or checkpoint.")
+    profile_memory: bool = Field(False, description="Measure peak tensor memory per rank against the plan's "
+                                 "prediction (memory.json; slower steps on CPU).")
 
 
 class LaunchSection(_Section):
@@ -72,10 +101,17 @@ class LaunchSection(_Section):
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous for multi-node runs.")
     rdzv_id: str = "neuron-flows"
     omp_num_threads: int = Field(1, ge=1, description="OMP threads per rank.")
+    retries: int = Field(1, ge=0, description="Automatic retries of the train step within a run; each resumes "
+                         "from the newest complete checkpoint.")
+    hardware: str | None = Field(None, description="Hardware kind the planner plans for (neuron_parallel.hardware "
+                                 "catalog or a YAML file); default from device: cpu → cpu, cuda → p5.48xlarge, "
+                                 "neuron → trn2.48xlarge.")
 
 
 class OutputSection(_Section):
-    dir: str = Field(".runs/tiny-llama", description="Run directory: metrics, checkpoints, consolidated model.")
+    dir: str = Field(".runs/{flow_run_name}", description="Run directory: metrics, checkpoints, consolidated model. "
+                     "{flow_run_name} and {flow_run_id} become the Prefect flow run's, so every run has its own "
+                     "directory and a retry of a run continues in it.")
     consolidated_dir: str | None = Field(None, description="Default: <output.dir>/consolidated.")
     format: Literal["safetensors", "pytorch"] = "safetensors"
     max_shard_size: str = "5GB"
@@ -101,7 +137,29 @@ class FinetuneConfig(_Section):
 
     @model_validator(mode="after")
     def _check_split(self) -> "FinetuneConfig":
-        self.parallel_config()  # raises ValueError naming the fix
+        """What can be checked without the model: raises ValueError naming the fix."""
+        par, world = self.parallel, self.world_size
+        if not par.is_auto:
+            self.parallel_config()
+            if self.train.global_batch_size not in (None, self._fixed_global_batch()):
+                raise ValueError(
+                    f"train.global_batch_size={self.train.global_batch_size} but micro_batch_size × grad_accum × dp = "
+                    f"{self.train.micro_batch_size} × {self.train.grad_accum} × {self.dp} = {self._fixed_global_batch()}; "
+                    "drop one of them, or set the layout to auto and let the planner split the batch"
+                )
+            return self
+        tp, pp = (v if v != AUTO else 1 for v in (par.tp, par.pp))
+        if world % (tp * pp):
+            ParallelConfig.for_world(world, tp=tp, pp=pp)  # raises, listing the splits that divide
+        if par.sequence_parallel is True and par.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp")
+        if par.layer_split is not None and par.pp == AUTO:
+            raise ValueError("parallel.layer_split needs a fixed parallel.pp (one layer count per stage); set pp "
+                             "or drop layer_split")
+        if par.pipeline_schedule == "zbv":
+            raise ValueError("the planner does not model pipeline_schedule=zbv; with zbv give the whole layout "
+                             "(tp, pp, zero_1, sequence_parallel, num_microbatches, virtual_stages=2, "
+                             "activation_checkpointing), or choose another schedule")
         return self
 
     @property
@@ -110,26 +168,62 @@ class FinetuneConfig(_Section):
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.parallel.tp * self.parallel.pp)
+        """Data-parallel degree of a fixed layout."""
+        return self.world_size // (self.parallel_config().tp * self.parallel_config().pp)
+
+    def _fixed_global_batch(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step (see ``train.global_batch_size``)."""
+        if self.train.global_batch_size:
+            return self.train.global_batch_size
+        if self.parallel.is_auto:
+            return self.train.micro_batch_size * self.train.grad_accum * self.world_size
+        return self._fixed_global_batch()
+
+    @property
+    def hardware(self) -> str:
+        return self.launch.hardware or DEVICE_HARDWARE[self.launch.device]
+
+    def for_run(self, name: str, run_id: str) -> "FinetuneConfig":
+        """This config with ``{flow_run_name}`` and ``{flow_run_id}`` in the output paths filled in."""
+        out = self.output.model_copy()
+        for key in ("dir", "consolidated_dir"):
+            value = getattr(out, key)
+            if value:
+                setattr(out, key, value.replace("{flow_run_name}", name).replace("{flow_run_id}", run_id))
+        return self.model_copy(update={"output": out})
 
     @property
     def consolidated_path(self) -> str:
         return self.output.consolidated_dir or str(Path(self.output.dir) / "consolidated")
 
     def parallel_config(self) -> ParallelConfig:
+        """The layout as given; an auto layout is resolved by ``resolve_layout``."""
+        if self.parallel.is_auto:
+            raise ValueError("the parallel layout has auto fields; resolve it with resolve_layout(config, model_dir)")
         return ParallelConfig.for_world(self.world_size, **self.parallel.model_dump())
 
-    def to_job(self, *, model_path: str, dataset_path: str) -> JobConfig:
-        """The library's view of this run, given the resolved model and dataset locations."""
+    def to_job(self, *, model_path: str, dataset_path: str, plan: Plan | None = None) -> JobConfig:
+        """The library's view of this run, given the resolved model and dataset locations and,
+        for an auto layout, the plan that resolved it."""
         train = self.train.model_dump()
         resume_from = train.pop("resume_from")
+        train.pop("global_batch_size")
+        if plan is not None:
+            parallel = plan.parallel
+            train.update(micro_batch_size=plan.micro_batch_size, grad_accum=plan.grad_accum)
+        else:
+            parallel = self.parallel_config()
         return JobConfig(
             model_path=model_path,
             dataset_path=dataset_path,
             output_dir=self.output.dir,
             block_size=self.data.block_size,
             device=self.launch.device,
-            parallel=self.parallel_config(),
+            parallel=parallel,
             train=TrainConfig(**train),
             resume_from=resume_from,
         )
@@ -201,3 +295,36 @@ def _explain(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}" if loc else msg)
     return "invalid config: " + "; ".join(lines)
+
+
+def resolve_layout(config: FinetuneConfig, model_dir: str, dataset_path: str = ""):
+    """The layout this run trains with, checked against the model: ``(Plan, PlanReport | None)``.
+
+    A fixed layout is checked as given. An auto one goes to the planner with the fields that are
+    set pinned, the run's world (``launch``), hardware kind, sequence length, global batch and
+    precision; the fastest layout that fits wins, and the report (every candidate, with the
+    reason for each rejection) comes back for display. Raises ``ValueError`` with the planner's
+    reason when nothing fits."""
+    from neuron_parallel.planner import plan as plan_layouts
+
+    if not config.parallel.is_auto:
+        return check_plan(config.to_job(model_path=model_dir, dataset_path=dataset_path)), None
+    precision = "fp32" if config.parallel.mixed_precision == "fp32" else "bf16_autocast"
+    report = plan_layouts(
+        Path(model_dir) / "config.json", config.hardware, nodes=config.launch.nnodes, seq_len=config.data.block_size,
+        global_batch=config.global_batch_size, precision=precision, ranks_per_node=config.launch.nproc_per_node,
+        fixed=config.parallel.fixed(),
+    )
+    best = report.best
+    if best is None:
+        raise ValueError(f"no parallel layout fits: {report.reason}")
+    pc = best.to_parallel_config()
+    pc.mixed_precision = config.parallel.mixed_precision
+    pc.layer_split = config.parallel.layer_split
+    resolved = Plan(parallel=pc, world_size=pc.world_size, global_batch_size=config.global_batch_size,
+                    num_parameters=report.model.num_parameters, layers_per_stage=[],
+                    micro_batch_size=best.micro_batch_size, grad_accum=best.grad_accum)
+    checked = check_plan(config.to_job(model_path=model_dir, dataset_path=dataset_path, plan=resolved))
+    return dataclasses.replace(checked, predicted_memory_bytes=best.memory_per_rank_bytes,
+                               predicted_tokens_per_s=best.tokens_per_s,
+                               notes=checked.notes + [f"chosen by the planner for {config.hardware}: {best.describe()}"]), report

@@ -1,26 +1,55 @@
-"""Check the parallel layout against the model and the world size."""
+"""Choose (auto fields) or check the parallel layout against the model and the world size."""
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from neuron_parallel.data import TokenizedDataset
 from neuron_parallel.models.causal_lm import resolve_model_dir
-from neuron_parallel.plan import Plan, check_plan
+from neuron_parallel.plan import Plan
 
 from .common import STEP_POLICY
-from .config import FinetuneConfig
+from .config import FinetuneConfig, resolve_layout
+
+GiB = 1 << 30
 
 
 @task(name="plan", **STEP_POLICY)
 def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> Plan:
+    log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    result = check_plan(config.to_job(model_path=model_dir, dataset_path=dataset.path))
+    result, report = resolve_layout(config, model_dir, dataset.path)
     pc = result.parallel
-    row = {
+    chosen = {
         "dp": pc.dp, "tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, "sequence_parallel": pc.sequence_parallel,
-        "num_microbatches": pc.num_microbatches, "global_batch_size": result.global_batch_size,
+        "num_microbatches": pc.num_microbatches, "pipeline_schedule": pc.pipeline_schedule,
+        "activation_checkpointing": pc.activation_checkpointing, "micro_batch_size": result.micro_batch_size,
+        "grad_accum": result.grad_accum, "global_batch_size": result.global_batch_size,
         "parameters": result.num_parameters, "layers_per_stage": str(result.layers_per_stage),
     }
-    create_table_artifact(key="plan", table=[row], description="Parallel layout chosen for this run")
-    get_run_logger().info("plan: %s %s", row, "; ".join(result.notes))
+    if report is None:
+        create_table_artifact(key="plan", table=[chosen], description="Parallel layout given in the config, checked")
+    else:
+        create_table_artifact(key="plan", table=ranking_rows(report), description=(
+            f"Layouts of {report.world_size} {report.hardware.name} ranks, best first (rank 1 is used); "
+            f"fixed in the config: {config.parallel.fixed() or 'nothing'}"))
+    log.info("plan: %s %s", chosen, "; ".join(result.notes))
     return result
+
+
+def ranking_rows(report, limit: int = 25) -> list[dict]:
+    """The best ``limit`` fitting layouts, then one rejected layout per (tp, pp) with its reason."""
+    rows, seen = [], set()
+    fitting = [c for c in report.plans if c.fits][:limit]
+    rejected = []
+    for c in report.plans:
+        if not c.fits and (c.tp, c.pp) not in seen:
+            seen.add((c.tp, c.pp))
+            rejected.append(c)
+    for i, c in enumerate(fitting + rejected[:limit]):
+        rows.append({
+            "rank": i + 1 if c.fits else "-", "layout": c.describe(), "fits": c.fits,
+            "GiB_per_rank": round(c.memory_per_rank_bytes / GiB, 3) if c.memory_per_rank_bytes else None,
+            "tokens_per_s": round(c.tokens_per_s) if c.tokens_per_s else None,
+            "mfu": round(c.mfu, 3) if c.mfu else None, "why_not": c.reason or "",
+        })
+    return rows

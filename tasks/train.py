@@ -17,8 +17,7 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> Trai
     """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    job = config.to_job(model_path=model_dir, dataset_path=dataset.path)
-    job.parallel = plan.parallel
+    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, plan=plan)
     progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
 
     def on_event(event: dict) -> None:
@@ -29,6 +28,11 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> Trai
                      event["loss"], event["lr"], event["tokens_per_s"])
         elif kind == "resumed":
             log.info("resumed from step %d (%s)", event["step"], event["checkpoint"])
+        elif kind == "memory":
+            for r in event["ranks"]:
+                log.info("rank %d peak tensor memory %.1f MiB, predicted %.1f MiB (%+.1f%%)", r["rank"],
+                         r["measured_bytes"] / 2**20, r["predicted_bytes"] / 2**20,
+                         100 * (r["predicted_bytes"] / r["measured_bytes"] - 1))
         elif kind in ("checkpoint", "warning", "start"):
             log.info("%s: %s", kind, {k: v for k, v in event.items() if k != "event"})
 

@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 
 from neuron_parallel.hub import HubCommit, upload_model, write_model_card
 from neuron_parallel.launch import TrainResult
+from neuron_parallel.plan import Plan
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
@@ -22,13 +23,14 @@ def hub_token(config: FinetuneConfig) -> str | None:
 
 
 @task(name="upload", **STEP_POLICY)
-def upload(config: FinetuneConfig, model_dir: str, result: TrainResult) -> HubCommit | None:
+def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: Plan) -> HubCommit | None:
     log = get_run_logger()
     metrics = result.last_metrics
     summary = {
         "steps": result.final_step,
         "final loss": round(metrics.get("loss", float("nan")), 4),
-        "layout": f"dp={config.dp} tp={config.parallel.tp} pp={config.parallel.pp}",
+        "layout": f"dp={layout.parallel.dp} tp={layout.parallel.tp} pp={layout.parallel.pp}"
+                  + " zero1" * layout.parallel.zero_1,
         "tokens seen": metrics.get("tokens_seen"),
     }
     sources = [config.data.source] if isinstance(config.data.source, str) else list(config.data.source)

@@ -14,7 +14,8 @@ STEPS = 4
 def _base(tiny_world, tmp_path, run):
     return ["--set", f"model.name_or_path={tiny_world['model']}", "--set", f"data.source={tiny_world['corpus']}",
             "--set", f"data.cache_dir={tmp_path / 'datasets'}", "--set", f"train.max_steps={STEPS}",
-            "--set", "train.save_every=0", "--set", "data.block_size=32", "--set", f"output.dir={tmp_path / run}"]
+            "--set", "train.save_every=0", "--set", "data.block_size=32", "--set", f"output.dir={tmp_path / run}",
+            "--set", "train.global_batch_size=8"]
 
 
 def _train(args, **kw):
@@ -36,11 +37,13 @@ def _close(a, b):
 
 
 def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path):
+    """tp and pp pinned, the rest (ZeRO-1, SP, microbatching, recompute) left to the planner."""
     one = _finish(_train(_base(tiny_world, tmp_path, "one") + [
         "--set", "parallel.tp=1", "--set", "parallel.pp=1", "--set", "launch.nproc_per_node=1"]))
     out = _finish(_train(_base(tiny_world, tmp_path, "tp2pp2") + [
         "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "launch.nproc_per_node=4"]))
     assert out.strip().splitlines()[-1] == f"run: {tmp_path / 'tp2pp2'}"
+    assert "plan: chosen by the planner for cpu: tp=2 pp=2 dp=1" in out
     assert one.strip().splitlines()[-1] == f"run: {tmp_path / 'one'}"
     _close(read_metrics(tmp_path / "tp2pp2"), read_metrics(tmp_path / "one"))
 
@@ -51,8 +54,8 @@ def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path):
         port = s.getsockname()[1]
     node = _base(tiny_world, tmp_path, "multi") + [
         "--set", "launch.nnodes=2", "--set", "launch.nproc_per_node=2", "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}",
-        "--set", f"launch.rdzv_id=test-{port}", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
-        "--set", "train.micro_batch_size=4",
+        "--set", f"launch.rdzv_id=test-{port}", "--set", "parallel.tp=2", "--set", "parallel.pp=1",
+        "--set", "parallel.sequence_parallel=true",
     ]
     agents = [_train(node), _train(node)]
     for agent in agents:

@@ -12,6 +12,9 @@ from tasks.config import FinetuneConfig
 from .conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny-llama-cpu.yaml"
+FIXED = ["parallel.tp=1", "parallel.pp=1", "parallel.zero_1=false", "parallel.sequence_parallel=false",
+         "parallel.num_microbatches=1", "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=1",
+         "parallel.activation_checkpointing=0"]
 
 
 def test_tiny_config_loads_with_required_keys():
@@ -22,15 +25,41 @@ def test_tiny_config_loads_with_required_keys():
                 "launch.nproc_per_node", "output.dir", "hub.repo_id", "hub.endpoint"):
         section, name = key.split(".")
         assert hasattr(getattr(cfg, section), name), key
-    assert cfg.launch.nproc_per_node == 2 and cfg.dp == 2
+    assert cfg.launch.nproc_per_node == 2 and cfg.parallel.is_auto and cfg.parallel.fixed() == {}
+    assert cfg.global_batch_size == 8 * 1 * 2  # micro_batch_size × grad_accum × all ranks
+    with pytest.raises(ValueError, match="resolve_layout"):
+        cfg.parallel_config()
+
+
+def test_layout_fields_default_to_auto():
+    cfg = FinetuneConfig()
+    assert cfg.parallel.tp == cfg.parallel.pp == cfg.parallel.zero_1 == "auto"
+    assert cfg.parallel.is_auto and cfg.hardware == "cpu"
+    assert FinetuneConfig.load(None, ["launch.device=neuron"]).hardware == "trn2.48xlarge"
 
 
 def test_overrides_are_typed_and_dp_is_derived():
-    cfg = FinetuneConfig.load(TINY, ["parallel.tp=2", "launch.nproc_per_node=8", "train.lr=1e-4",
+    cfg = FinetuneConfig.load(TINY, [*FIXED, "parallel.tp=2", "launch.nproc_per_node=8", "train.lr=1e-4",
                                      "parallel.zero_1=true", "hub.repo_id=alice/x"])
     assert cfg.parallel.tp == 2 and cfg.train.lr == 1e-4 and cfg.parallel.zero_1 is True
-    assert cfg.dp == 4 and cfg.parallel_config().dp == 4
+    assert not cfg.parallel.is_auto
+    assert cfg.dp == 4 and cfg.parallel_config().dp == 4 and cfg.global_batch_size == 8 * 4
     assert cfg.hub.repo_id == "alice/x"
+    partial = FinetuneConfig.load(TINY, ["parallel.tp=2", "parallel.zero_1=true"])
+    assert partial.parallel.fixed() == {"tp": 2, "zero_1": True}
+
+
+def test_global_batch_size_must_agree_with_a_fixed_layout():
+    assert FinetuneConfig.load(TINY, [*FIXED, "train.global_batch_size=16"]).global_batch_size == 16
+    with pytest.raises(ValueError, match=r"global_batch_size=12 but micro_batch_size × grad_accum × dp = 8 × 1 × 2"):
+        FinetuneConfig.load(TINY, [*FIXED, "train.global_batch_size=12"])
+
+
+def test_auto_layout_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="layer_split needs a fixed parallel.pp"):
+        FinetuneConfig.load(None, ["parallel.layer_split=[2,2]"])
+    with pytest.raises(ValueError, match="does not model pipeline_schedule=zbv"):
+        FinetuneConfig.load(None, ["parallel.pipeline_schedule=zbv"])
 
 
 @pytest.mark.parametrize("override, expect", [
@@ -55,13 +84,15 @@ def test_bad_values_are_reported_with_their_key():
     with pytest.raises(ValueError, match="train.lr"):
         FinetuneConfig.load(TINY, ["train.lr=-1"])
     with pytest.raises(ValueError, match="sequence_parallel needs parallel.tp > 1"):
-        FinetuneConfig.load(TINY, ["parallel.sequence_parallel=true"])
+        FinetuneConfig.load(TINY, ["parallel.tp=1", "parallel.sequence_parallel=true"])
+    with pytest.raises(ValueError, match="sequence_parallel needs parallel.tp > 1"):
+        FinetuneConfig.load(TINY, [*FIXED, "parallel.sequence_parallel=true"])
     with pytest.raises(ValueError, match="--set"):
         FinetuneConfig.load(TINY, ["parallel.tp"])
 
 
 def test_job_round_trips_through_json(tmp_path):
-    cfg = FinetuneConfig.load(TINY, ["parallel.pp=2", "parallel.num_microbatches=2"])
+    cfg = FinetuneConfig.load(TINY, [*FIXED, "parallel.pp=2", "parallel.num_microbatches=2"])
     job = cfg.to_job(model_path="m", dataset_path="d")
     assert job.parallel == ParallelConfig(pp=2, dp=1, num_microbatches=2)
     (tmp_path / "job.json").write_text(job.to_json())

@@ -176,3 +176,80 @@ def test_cli_plan_json(tmp_path, capsys):
     assert main(["plan", "--model", json.dumps(LLAMA_8B), "--hardware", "h200x8", "--nodes", "1",
                  "--seq-len", "4096", "--global-batch", "64"]) == 0
     assert "feasible: True" in capsys.readouterr().out
+
+
+def test_pinned_fields_restrict_the_search():
+    report = plan(LLAMA_8B, "trn2.48xlarge", nodes=1, seq_len=4096, global_batch=64,
+                  fixed={"tp": 8, "zero_1": True, "activation_checkpointing": 2})
+    assert report.feasible and report.plans
+    assert {(c.tp, c.zero_1, c.activation_checkpointing) for c in report.plans if c.valid} == {(8, True, 2)}
+    with pytest.raises(ValueError, match="cannot pin"):
+        plan(LLAMA_8B, "trn2.48xlarge", seq_len=4096, global_batch=64, fixed={"dp": 2})
+
+
+def _auto_config(tiny_world, *overrides):
+    from tasks.config import FinetuneConfig
+
+    return FinetuneConfig.load(None, [f"model.name_or_path={tiny_world['model']}", "launch.nproc_per_node=4",
+                                      "data.block_size=32", "train.global_batch_size=8", *overrides])
+
+
+def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
+    from tasks.config import resolve_layout
+
+    free, report = resolve_layout(_auto_config(tiny_world), tiny_world["model"])
+    best = report.best
+    assert (free.parallel.tp, free.parallel.pp, free.parallel.dp, free.parallel.zero_1) == (best.tp, best.pp, best.dp,
+                                                                                             best.zero_1)
+    assert free.micro_batch_size * free.grad_accum * free.parallel.dp == free.global_batch_size == 8
+    assert free.predicted_memory_bytes == best.memory_per_rank_bytes and "chosen by the planner" in free.notes[-1]
+    pinned, report = resolve_layout(_auto_config(tiny_world, "parallel.tp=2", "parallel.pp=2"), tiny_world["model"])
+    assert (pinned.parallel.tp, pinned.parallel.pp, pinned.parallel.dp) == (2, 2, 1)
+    assert pinned.parallel.num_microbatches >= 2 and pinned.global_batch_size == 8
+    assert all((c.tp, c.pp) == (2, 2) for c in report.plans)
+    fixed, report = resolve_layout(_auto_config(tiny_world, "parallel.tp=1", "parallel.pp=1", "parallel.zero_1=false",
+                                                "parallel.sequence_parallel=false", "parallel.num_microbatches=1",
+                                                "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=1",
+                                                "parallel.activation_checkpointing=0", "train.global_batch_size=null",
+                                                "train.micro_batch_size=2"), tiny_world["model"])
+    assert report is None and fixed.parallel.dp == 4 and fixed.global_batch_size == 8
+
+
+def test_auto_layout_that_cannot_fit_says_why_before_launch(tiny_world, tmp_path):
+    from tasks.config import resolve_layout
+
+    (tmp_path / "small.yaml").write_text("name: small\nranks_per_node: 4\nmemory_per_rank: 1MiB\n"
+                                         "peak_flops_per_rank: 1e12\nintra_node_bw: 1e10\ninter_node_bw: 1e9\n"
+                                         "device: cpu\n")
+    config = _auto_config(tiny_world, f"launch.hardware={tmp_path / 'small.yaml'}")
+    with pytest.raises(ValueError, match=r"no parallel layout fits: no layout fits 0\.0 GiB per small rank"):
+        resolve_layout(config, tiny_world["model"])
+
+
+def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path):
+    """The demo config (auto layout) through `neuron-flows train` with train.profile_memory: every
+    rank's measured peak tensor memory (neuron_parallel.memprof) is within ±15 % of the planner's
+    prediction for that rank, and below the plan's memory per rank plus 15 %."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, read_metrics
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"),
+         "--set", f"model.name_or_path={tiny_world['model']}", "--set", f"data.source={tiny_world['corpus']}",
+         "--set", f"data.cache_dir={tmp_path / 'datasets'}", "--set", "train.max_steps=3", "--set", "train.save_every=0",
+         "--set", "train.profile_memory=true", "--set", f"output.dir={run}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    chosen = next(line for line in proc.stdout.splitlines() if line.startswith("plan: chosen by the planner for cpu"))
+    planned_total = float(chosen.rsplit("predicted ", 1)[1].split()[0]) * 2**30
+    assert len(read_metrics(run)) == 3
+    ranks = json.loads((run / "memory.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["measured_bytes"] > 10 * 2**20  # the tiny model's states alone are ~20 MiB: a real measurement
+        assert abs(r["predicted_bytes"] / r["measured_bytes"] - 1) <= 0.15, r
+        assert r["measured_bytes"] <= 1.15 * planned_total, (r, planned_total)
