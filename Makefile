@@ -7,7 +7,7 @@ TINY := .tiny
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow bench serve clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,11 +21,20 @@ $(TINY)/model/config.json: | $(STAMP)
 demo: $(STAMP) $(TINY)/model/config.json
 	$(BIN)/neuron-flows run configs/tiny-llama-cpu.yaml
 
-test: $(STAMP)
+# The browser test drives Debian's chromium; installed here when missing (needs root or sudo).
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+serve: $(STAMP) $(TINY)/model/config.json
+	$(BIN)/neuron-flows serve
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'

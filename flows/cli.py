@@ -5,6 +5,8 @@
     neuron-flows validate PATH [--quick]           check a checkpoint
     neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
     neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
+    neuron-flows serve [--port 4200]               local Prefect server + deployments + worker (UI)
+    neuron-flows join [--launch-file F]            a further node of a multi-node run (Kubernetes)
     neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
                                                    rank parallel layouts: memory per rank, tokens/s
 """
@@ -61,9 +63,13 @@ def _stop_embedded_server() -> None:
 
 def cmd_train(args) -> int:
     config = _config(args)
+    if "{flow_run" in config.output.dir:  # no Prefect run here to name the directory after
+        import time
+
+        config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
     _preflight(config)
     from neuron_parallel.data import tokenize_dataset
-    from neuron_parallel.launch import run_torchrun
+    from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
     from neuron_parallel.models.causal_lm import resolve_model_dir
     from tasks.config import resolve_layout
 
@@ -89,8 +95,32 @@ def cmd_train(args) -> int:
         else:
             print(f"{kind}: {json.dumps(event)}", flush=True)
 
-    run_torchrun(job, config.to_launch(), on_event=show, on_line=lambda line: print(line, file=sys.stderr))
+    launch = config.to_launch()
+    if launch.nnodes > 1 and os.environ.get(LAUNCH_FILE_ENV):
+        publish_launch(os.environ[LAUNCH_FILE_ENV], job, launch)  # the other nodes' `neuron-flows join`
+    run_torchrun(job, launch, on_event=show, on_line=lambda line: print(line, file=sys.stderr))
     print(f"run: {config.output.dir}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from flows.serve import register_only, serve
+
+    if args.register_only:
+        return register_only()
+    return serve(args.host, args.port, Path(args.home), worker=not args.no_worker)
+
+
+def cmd_join(args) -> int:
+    from neuron_parallel.launch import LAUNCH_FILE_ENV, join
+
+    path = args.launch_file or os.environ.get(LAUNCH_FILE_ENV)
+    if not path:
+        raise ValueError(f"give --launch-file or set {LAUNCH_FILE_ENV} (the first node publishes the launch there)")
+    result = join(path, timeout_s=args.timeout, on_line=lambda line: print(line, flush=True))
+    print(f"run: {result.run_dir}")
     return 0
 
 
@@ -163,6 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
+    p = sub.add_parser("serve", help="local Prefect server (127.0.0.1), work pools, deployments and a worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--home", default=".runs/prefect", help="PREFECT_HOME: the server's SQLite database and settings")
+    p.add_argument("--no-worker", action="store_true", help="start no worker for the local pool")
+    p.add_argument("--register-only", action="store_true",
+                   help="register pools and deployments on the server at PREFECT_API_URL, then exit")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("join", help="wait for a multi-node launch published by the first node, and join it")
+    p.add_argument("--launch-file", help="default $NEURON_FLOWS_LAUNCH_FILE")
+    p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds to wait for the launch")
+    p.set_defaults(fn=cmd_join)
     p = sub.add_parser("plan", help="rank parallel layouts of a model on some hardware (memory per rank, tokens/s)")
     p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG_JSON",
                    help="model directory, its config.json, or the config as inline JSON (weights are never read)")

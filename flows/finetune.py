@@ -1,12 +1,15 @@
-"""The fine-tuning pipeline: tokenize → plan → train → validate → consolidate → upload."""
+"""The fine-tuning pipeline: tokenize → plan → train → validate → consolidate → upload → report."""
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.runtime import flow_run
+from prefect.transactions import transaction
 
 from tasks.config import FinetuneConfig
 from tasks.consolidate import consolidate
 from tasks.plan import plan
+from tasks.report import report
 from tasks.tokenize import tokenize
 from tasks.train import train
 from tasks.upload import upload
@@ -15,13 +18,21 @@ from tasks.validate import validate
 
 @flow(name="finetune", log_prints=True)
 def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:
-    """Fine-tune ``config.model`` on ``config.data`` and publish the consolidated model."""
+    """Fine-tune ``config.model`` on ``config.data`` and publish the consolidated model.
+
+    Retrying a failed run reruns no finished step (results persist under a key of inputs, task
+    code and flow run) and training continues from the newest complete checkpoint. Consolidation
+    and upload form one transaction: if the upload fails, the consolidated directory is removed
+    again, so a retry never publishes a stale or half-written model."""
+    config = config.for_run(flow_run.get_name() or "local", flow_run.get_id() or "local")
     dataset = tokenize(config)
     layout = plan(config, dataset)
-    result = train(config, dataset, layout)
+    result = train.with_options(retries=config.launch.retries)(config, dataset, layout)
     checkpoint = validate(result)
-    model_dir = consolidate(config, checkpoint)
-    commit = upload(config, model_dir, result, layout)
+    with transaction():
+        model_dir = consolidate(config, checkpoint)
+        commit = upload(config, model_dir, result, layout)
+    report(result, layout, checkpoint, model_dir, commit)
     return {
         "run_dir": result.run_dir,
         "checkpoint": checkpoint,

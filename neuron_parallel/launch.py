@@ -8,11 +8,13 @@ caller; everything else is passed through as log lines.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,3 +145,31 @@ def run_torchrun(
     if code != 0:
         raise TrainingFailed(f"torchrun exited with code {code}; last output:\n" + "\n".join(tail))
     return TrainResult(run_dir=str(run_dir), **state)
+
+
+LAUNCH_FILE_ENV = "NEURON_FLOWS_LAUNCH_FILE"
+"""Where the first node publishes a multi-node launch for the others (``join``)."""
+
+
+def publish_launch(path: str | Path, job: JobConfig, launch: LaunchConfig) -> None:
+    """Write the job and the launch settings where the other nodes' ``join`` waits for them
+    (a shared file system); atomic, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"job": json.loads(job.to_json()), "launch": dataclasses.asdict(launch)}))
+    tmp.replace(path)
+
+
+def join(path: str | Path, *, timeout_s: float = 6 * 3600, poll_s: float = 2.0, **kwargs) -> TrainResult:
+    """On a node other than the first: wait for the launch ``publish_launch`` writes at ``path``,
+    then start this node's torchrun agent in the same c10d rendezvous (``run_torchrun``)."""
+    path = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no launch appeared at {path} within {timeout_s:.0f} s; is the first node running "
+                               f"the flow, and is {path.parent} on a file system both nodes share?")
+        time.sleep(poll_s)
+    data = json.loads(path.read_text())
+    return run_torchrun(JobConfig.from_dict(data["job"]), LaunchConfig(**data["launch"]), **kwargs)

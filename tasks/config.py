@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -98,7 +99,8 @@ class LaunchSection(_Section):
     device: Literal["cpu", "cuda", "neuron"] = Field("cpu", description="cpu (gloo), cuda (nccl), neuron (neuron).")
     nproc_per_node: int = Field(1, ge=1, description="Ranks per node (64 on trn2.48xlarge).")
     nnodes: int = Field(1, ge=1)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous for multi-node runs.")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous for multi-node runs "
+                                      "(default $NEURON_FLOWS_RDZV_ENDPOINT).")
     rdzv_id: str = "neuron-flows"
     omp_num_threads: int = Field(1, ge=1, description="OMP threads per rank.")
     retries: int = Field(1, ge=0, description="Automatic retries of the train step within a run; each resumes "
@@ -232,7 +234,8 @@ class FinetuneConfig(_Section):
         return LaunchConfig(
             nproc_per_node=self.launch.nproc_per_node,
             nnodes=self.launch.nnodes,
-            rdzv_endpoint=self.launch.rdzv_endpoint,
+            # On Kubernetes the first pod's stable name comes from the environment (deployments/trn2).
+            rdzv_endpoint=self.launch.rdzv_endpoint or os.environ.get("NEURON_FLOWS_RDZV_ENDPOINT"),
             rdzv_id=self.launch.rdzv_id,
             omp_num_threads=self.launch.omp_num_threads,
         )

@@ -1,6 +1,10 @@
 """Consolidate the validated checkpoint into a Hugging Face model directory."""
 
+import shutil
+from pathlib import Path
+
 from prefect import get_run_logger, task
+from prefect.transactions import get_transaction
 
 from neuron_parallel.checkpoint import consolidate_checkpoint
 
@@ -13,5 +17,17 @@ def consolidate(config: FinetuneConfig, checkpoint: str) -> str:
     out = consolidate_checkpoint(
         checkpoint, config.consolidated_path, fmt=config.output.format, max_shard_size=config.output.max_shard_size
     )
+    txn = get_transaction()
+    if txn is not None:
+        txn.set("model_dir", str(out))
     get_run_logger().info("consolidated %s -> %s", checkpoint, out)
     return str(out)
+
+
+@consolidate.on_rollback
+def _remove_consolidated(txn) -> None:
+    """A later step of the transaction (the upload) failed: remove the directory, so that what
+    is on disk never claims to be a published model and a retry consolidates afresh."""
+    path = txn.get("model_dir", None)
+    if path and Path(path).is_dir():
+        shutil.rmtree(path)

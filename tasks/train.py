@@ -1,10 +1,12 @@
 """Run distributed training as a torchrun subprocess tree."""
 
+import os
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from neuron_parallel.data import TokenizedDataset
-from neuron_parallel.launch import TrainResult, run_torchrun
+from neuron_parallel.launch import LAUNCH_FILE_ENV, TrainResult, publish_launch, run_torchrun
 from neuron_parallel.models.causal_lm import resolve_model_dir
 from neuron_parallel.plan import Plan
 
@@ -36,4 +38,8 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> Trai
         elif kind in ("checkpoint", "warning", "start"):
             log.info("%s: %s", kind, {k: v for k, v in event.items() if k != "event"})
 
-    return run_torchrun(job, config.to_launch(), on_event=on_event, on_line=log.debug)
+    launch = config.to_launch()
+    if launch.nnodes > 1 and os.environ.get(LAUNCH_FILE_ENV):
+        publish_launch(os.environ[LAUNCH_FILE_ENV], job, launch)  # the other nodes' `neuron-flows join`
+        log.info("published the launch for %d more nodes at %s", launch.nnodes - 1, os.environ[LAUNCH_FILE_ENV])
+    return run_torchrun(job, launch, on_event=on_event, on_line=log.debug)

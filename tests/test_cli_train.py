@@ -18,10 +18,10 @@ def _base(tiny_world, tmp_path, run):
             "--set", "train.global_batch_size=8"]
 
 
-def _train(args, **kw):
+def _train(args, env=None):
     return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+                            env=env or {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _finish(proc, timeout=400):
@@ -49,16 +49,22 @@ def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path):
 
 
 def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path):
+    """Node 0 runs `neuron-flows train` with nnodes=2 and publishes the launch; node 1 is
+    `neuron-flows join`, as on Kubernetes (deployments/trn2), and knows nothing but the file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    launch_file = tmp_path / "launch" / "job.json"
     node = _base(tiny_world, tmp_path, "multi") + [
-        "--set", "launch.nnodes=2", "--set", "launch.nproc_per_node=2", "--set", f"launch.rdzv_endpoint=127.0.0.1:{port}",
-        "--set", f"launch.rdzv_id=test-{port}", "--set", "parallel.tp=2", "--set", "parallel.pp=1",
-        "--set", "parallel.sequence_parallel=true",
+        "--set", "launch.nnodes=2", "--set", "launch.nproc_per_node=2", "--set", f"launch.rdzv_id=test-{port}",
+        "--set", "parallel.tp=2", "--set", "parallel.pp=1", "--set", "parallel.sequence_parallel=true",
     ]
-    agents = [_train(node), _train(node)]
-    for agent in agents:
-        _finish(agent)
+    env = {"NEURON_FLOWS_RDZV_ENDPOINT": f"127.0.0.1:{port}", "NEURON_FLOWS_LAUNCH_FILE": str(launch_file)}
+    joiner = subprocess.Popen([sys.executable, "-m", "flows.cli", "join", "--timeout", "300"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    first = _train(node, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    _finish(first)
+    assert _finish(joiner).strip().splitlines()[-1] == f"run: {tmp_path / 'multi'}"
     _finish(_train(_base(tiny_world, tmp_path, "one") + ["--set", "launch.nproc_per_node=1"]))
     _close(read_metrics(tmp_path / "multi"), read_metrics(tmp_path / "one"))

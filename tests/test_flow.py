@@ -81,6 +81,21 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     import asyncio
     assert {"tokenize", "plan", "train", "validate", "consolidate", "upload"} <= asyncio.run(task_names())
 
+    # The run's summary: loss curve (PNG, also in the run directory), checkpoints, model, Hub commit.
+    async def artifacts():
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        async with get_client() as client:
+            flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            return {a.key: a for a in await client.read_artifacts(artifact_filter=flt)}
+
+    arts = asyncio.run(artifacts())
+    summary = arts["summary"].data
+    assert "![loss curve](data:image/png;base64," in summary and result["hub_url"] in summary
+    assert "checkpoint-4" in summary and str(consolidated) in summary
+    assert (tmp_path / "run" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert arts["plan"].type == "table" and "tp=1 pp=1 dp=2" in str(arts["plan"].data)
+
 
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
     from flows.finetune import finetune
@@ -96,3 +111,20 @@ def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_
     ])
     result = finetune(config)
     assert result["hub_url"] is None and Path(result["consolidated"], "model.safetensors").exists()
+
+
+def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
+    """Consolidate and upload are one transaction: a refused upload (bad token) removes the
+    consolidated directory again; the checkpoints stay."""
+    from flows.finetune import finetune
+
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
+    config = FinetuneConfig.load(None, [
+        f"model.name_or_path={tiny_world['model']}", f"data.source={tiny_world['corpus']}", "data.block_size=32",
+        f"data.cache_dir={tmp_path / 'datasets'}", "train.max_steps=2", "train.micro_batch_size=2",
+        f"output.dir={tmp_path / 'run'}", f"hub.repo_id={hub.user}/x", f"hub.endpoint={hub.url}",
+    ])
+    state = finetune(config, return_state=True)
+    assert state.is_failed()
+    assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
+    assert not (tmp_path / "run" / "consolidated").exists()

@@ -1,0 +1,79 @@
+"""The run's summary: a markdown artifact with the loss curve and links to what the run made."""
+
+import base64
+import io
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from neuron_parallel.hub import HubCommit
+from neuron_parallel.launch import TrainResult
+from neuron_parallel.plan import Plan
+
+from .common import STEP_POLICY
+
+
+def loss_curve_png(metrics: list[dict]) -> bytes:
+    """Loss (and learning rate) per optimizer step as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=90)
+    ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.grid(alpha=0.3)
+    lr = ax.twinx()
+    lr.plot(steps, [m["lr"] for m in metrics], color="tab:orange", lw=1, alpha=0.7)
+    lr.set_ylabel("learning rate", color="tab:orange")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def summary_markdown(result: TrainResult, layout: Plan, checkpoint: str, model_dir: str, commit: HubCommit | None,
+                     metrics: list[dict], png: bytes) -> str:
+    first, last = metrics[0], metrics[-1]
+    pc = layout.parallel
+    hub = f"[{commit.url}]({commit.url}) (revision `{commit.revision}`)" if commit else "not uploaded (no `hub.repo_id`)"
+    resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
+    checkpoints = sorted(Path(result.run_dir).glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
+    lines = [
+        "# Fine-tune summary",
+        "",
+        f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| steps | {result.final_step}{resumed} |",
+        f"| loss | {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} (step {last['step']}) |",
+        f"| tokens seen | {last.get('tokens_seen', 0):,} |",
+        f"| throughput (last step) | {last.get('tokens_per_s', 0):,.0f} tokens/s |",
+        f"| layout | dp={pc.dp} tp={pc.tp} pp={pc.pp}{' zero-1' * pc.zero_1}{' sp' * pc.sequence_parallel}, "
+        f"micro batch {layout.micro_batch_size} × accumulation {layout.grad_accum} |",
+        f"| run directory | [{result.run_dir}](file://{Path(result.run_dir).resolve()}) |",
+        f"| checkpoints | {', '.join(f'[{p.name}](file://{p.resolve()})' for p in checkpoints) or 'none kept'} |",
+        f"| validated checkpoint | [{checkpoint}](file://{Path(checkpoint).resolve()}) |",
+        f"| consolidated model | [{model_dir}](file://{Path(model_dir).resolve()}) |",
+        f"| Hub | {hub} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@task(name="report", **STEP_POLICY)
+def report(result: TrainResult, layout: Plan, checkpoint: str, model_dir: str, commit: HubCommit | None) -> str:
+    """Write ``loss_curve.png`` into the run directory and the summary artifact; returns its markdown."""
+    path = Path(result.run_dir) / "metrics.jsonl"
+    metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    png = loss_curve_png(metrics)
+    (Path(result.run_dir) / "loss_curve.png").write_bytes(png)
+    markdown = summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png)
+    create_markdown_artifact(key="summary", markdown=markdown, description="Loss curve, checkpoints, model, Hub commit")
+    return markdown
