@@ -61,7 +61,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+# Each of these also runs inside a combined layout of the fast tier: tp2 in dp2-tp2 and tp2-pp2,
+# pp2 in tp2-pp2 and the interleaved case, ZeRO-1 with pp in dp2-tp2-pp2. `make test-slow` runs
+# them on their own.
+SLOW = {"tp2", "pp2", "dp2-pp2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_layout_matches_one_process(name, reference, tiny_world, tiny_dataset, tmp_path):
     world, parallel = LAYOUTS[name]
     _compare(_run(tmp_path, world, tiny_world["model"], tiny_dataset.path, parallel), reference)
