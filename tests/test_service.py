@@ -316,7 +316,9 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
         # The secret: used for a real upload, then nowhere in what the server keeps.
         assert hub.root.joinpath("repos").exists()
         needle = token.encode()
-        for db in service.home.glob("*.db*"):
+        dbs = list(service.home.glob("prefect.db*"))
+        assert dbs and sum(db.stat().st_size for db in dbs) > 100_000, dbs  # the server's SQLite files
+        for db in dbs:
             assert needle not in db.read_bytes(), db
         for run in (clean, crashing):
             assert not any(token in line for line in service.logs(run["id"]))
