@@ -62,11 +62,15 @@ class ParallelSection(_Section):
         """The layout fields that are set (not ``auto``)."""
         names = ("tp", "pp", "zero_1", "sequence_parallel", "num_microbatches", "pipeline_schedule",
                  "virtual_stages", "activation_checkpointing")
-        return {n: getattr(self, n) for n in names if getattr(self, n) != AUTO}
+        fixed = {n: getattr(self, n) for n in names if getattr(self, n) != AUTO}
+        if self.layer_split is not None and self.pp != AUTO and self.virtual_stages == AUTO:
+            fixed["virtual_stages"] = max(1, len(self.layer_split) // self.pp)  # one count per stage
+        return fixed
 
     @property
     def is_auto(self) -> bool:
-        return len(self.fixed()) < 8
+        return AUTO in (self.tp, self.pp, self.zero_1, self.sequence_parallel, self.num_microbatches,
+                        self.pipeline_schedule, self.virtual_stages, self.activation_checkpointing)
 
 
 class TrainSection(_Section):
@@ -321,9 +325,8 @@ def resolve_layout(config: FinetuneConfig, model_dir: str, dataset_path: str = "
     best = report.best
     if best is None:
         raise ValueError(f"no parallel layout fits: {report.reason}")
-    pc = best.to_parallel_config()
-    pc.mixed_precision = config.parallel.mixed_precision
-    pc.layer_split = config.parallel.layer_split
+    pc = dataclasses.replace(best.to_parallel_config(), mixed_precision=config.parallel.mixed_precision,
+                             layer_split=config.parallel.layer_split)  # replace() re-runs the checks
     resolved = Plan(parallel=pc, world_size=pc.world_size, global_batch_size=config.global_batch_size,
                     num_parameters=report.model.num_parameters, layers_per_stage=[],
                     micro_batch_size=best.micro_batch_size, grad_accum=best.grad_accum)

@@ -253,3 +253,13 @@ def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path
         assert r["measured_bytes"] > 10 * 2**20  # the tiny model's states alone are ~20 MiB: a real measurement
         assert abs(r["predicted_bytes"] / r["measured_bytes"] - 1) <= 0.15, r
         assert r["measured_bytes"] <= 1.15 * planned_total, (r, planned_total)
+
+
+def test_layer_split_pins_the_stage_count(tiny_world):
+    from tasks.config import resolve_layout
+
+    chosen, _ = resolve_layout(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"),
+                               tiny_world["model"])
+    assert chosen.parallel.virtual_stages == 1 and chosen.layers_per_stage == [1, 3]
+    with pytest.raises(ValueError, match=r"layer_split=\[1, 2\] must be 2 positive counts"):
+        resolve_layout(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,2]"), tiny_world["model"])
