@@ -112,8 +112,17 @@ def _wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> Non
     raise RuntimeError(f"the Prefect server did not answer at {api}/health within {timeout:.0f} s")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when ``serve`` dies, even by SIGKILL, so no
+    server or worker outlives it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -145,7 +154,9 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    # Both explicitly: a process started in the background inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)], env)
         procs.insert(0, server)

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, read_metrics
 
 STEPS = 4
@@ -36,19 +38,26 @@ def _close(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
 
 
-def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path):
-    """tp and pp pinned, the rest (ZeRO-1, SP, microbatching, recompute) left to the planner."""
-    one = _finish(_train(_base(tiny_world, tmp_path, "one") + [
+@pytest.fixture(scope="module")
+def one_rank(tiny_world, tmp_path_factory):
+    """The reference: the same global batch of 8 on one process (tp and pp pinned to 1)."""
+    base = tmp_path_factory.mktemp("one-rank")
+    out = _finish(_train(_base(tiny_world, base, "one") + [
         "--set", "parallel.tp=1", "--set", "parallel.pp=1", "--set", "launch.nproc_per_node=1"]))
+    assert out.strip().splitlines()[-1] == f"run: {base / 'one'}"
+    return read_metrics(base / "one")
+
+
+def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path, one_rank):
+    """tp and pp pinned, the rest (ZeRO-1, SP, microbatching, recompute) left to the planner."""
     out = _finish(_train(_base(tiny_world, tmp_path, "tp2pp2") + [
         "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "launch.nproc_per_node=4"]))
     assert out.strip().splitlines()[-1] == f"run: {tmp_path / 'tp2pp2'}"
     assert "plan: chosen by the planner for cpu: tp=2 pp=2 dp=1" in out
-    assert one.strip().splitlines()[-1] == f"run: {tmp_path / 'one'}"
-    _close(read_metrics(tmp_path / "tp2pp2"), read_metrics(tmp_path / "one"))
+    _close(read_metrics(tmp_path / "tp2pp2"), one_rank)
 
 
-def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path):
+def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path, one_rank):
     """Node 0 runs `neuron-flows train` with nnodes=2 and publishes the launch; node 1 is
     `neuron-flows join`, as on Kubernetes (deployments/trn2), and knows nothing but the file."""
     with socket.socket() as s:
@@ -66,5 +75,4 @@ def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path):
     first = _train(node, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     _finish(first)
     assert _finish(joiner).strip().splitlines()[-1] == f"run: {tmp_path / 'multi'}"
-    _finish(_train(_base(tiny_world, tmp_path, "one") + ["--set", "launch.nproc_per_node=1"]))
-    _close(read_metrics(tmp_path / "multi"), read_metrics(tmp_path / "one"))
+    _close(read_metrics(tmp_path / "multi"), one_rank)

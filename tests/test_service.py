@@ -67,8 +67,9 @@ class Service:
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                from neuron_parallel.launch import kill_tree
+
+                kill_tree(self.proc, grace_s=0)
         return self.proc.returncode
 
     def deployment(self, name: str) -> dict:
