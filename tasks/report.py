@@ -50,7 +50,7 @@ def summary_markdown(result: TrainResult, layout: Plan, checkpoint: str, model_d
         "",
         f"![loss curve](data:image/png;base64,{base64.b64encode(png).decode()})",
         "",
-        "| | |",
+        "| item | value |",
         "|---|---|",
         f"| steps | {result.final_step}{resumed} |",
         f"| loss | {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} (step {last['step']}) |",
