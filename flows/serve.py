@@ -146,6 +146,9 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
+        # Training saturates small machines; give SQLite writes longer than the 10 s default
+        # before the server answers 503.
+        "PREFECT_SERVER_DATABASE_TIMEOUT": os.environ.get("PREFECT_SERVER_DATABASE_TIMEOUT", "30"),
         "NEURON_FLOWS_ROOT": str(ROOT),
     }
     os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_API_URL", "NEURON_FLOWS_ROOT")})

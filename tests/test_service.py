@@ -31,6 +31,19 @@ SCREENSHOTS = ROOT / ".runs" / "test-output"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
+class _RetryingClient(httpx.Client):
+    """Retries 502/503 as Prefect's own client and UI do: the server answers 503 to errors a
+    client should retry, such as a SQLite write lock held too long on a busy machine."""
+
+    def request(self, *args, **kwargs):
+        for attempt in range(6):
+            response = super().request(*args, **kwargs)
+            if response.status_code not in (502, 503):
+                return response
+            time.sleep(0.5 * 2**attempt)
+        return response
+
+
 class Service:
     """A `neuron-flows serve` subprocess and a small client of its REST API."""
 
@@ -53,7 +66,7 @@ class Service:
         if not self.ready.wait(300):
             self.stop()
             raise AssertionError("serve did not come up:\n" + "\n".join(self.lines[-60:]))
-        self.http = httpx.Client(base_url=self.api, timeout=30)
+        self.http = _RetryingClient(base_url=self.api, timeout=30)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -201,13 +214,17 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
         quick = page.get_by_text("Quick run").first
         quick.wait_for(timeout=20_000)
         quick.click()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            new = [r for r in service.http.post("/flow_runs/filter", json={}).json() if r["id"] not in before]
-            if new:
-                break
-            time.sleep(0.5)
-        assert new, "clicking Quick run created no flow run"
+        # The UI answers with a toast naming the new run: "<name> scheduled to start now".
+        toast = page.get_by_text("scheduled to start").first
+        try:
+            toast.wait_for(timeout=60_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "ui-quick-run-failed.png"), full_page=True)
+            raise AssertionError("no confirmation after Quick run (screenshot ui-quick-run-failed.png); server:\n"
+                                 + "\n".join(service.lines[-30:])) from None
+        name = toast.inner_text().split(" scheduled to start")[0].strip().split()[-1]
+        new = service.http.post("/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}).json()
+        assert new and new[0]["id"] not in before, (name, new)
         run = new[0]
         run_dir = _run_dir(service, run)
         assert run["deployment_id"] == dep["id"]
