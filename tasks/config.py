@@ -175,7 +175,7 @@ class FinetuneConfig(_Section):
     @property
     def dp(self) -> int:
         """Data-parallel degree of a fixed layout."""
-        return self.world_size // (self.parallel_config().tp * self.parallel_config().pp)
+        return self.parallel_config().dp
 
     def _fixed_global_batch(self) -> int:
         return self.train.micro_batch_size * self.train.grad_accum * self.dp
