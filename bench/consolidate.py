@@ -3,13 +3,8 @@
     .venv/bin/python bench/consolidate.py [--size-gb 2] [--workdir DIR] [--dtype float32|bfloat16]
                                           [--keep] [--profile]
 
-1. Builds (untimed) a synthetic checkpoint in our format (``neuron_parallel.checkpoint.format``):
-   a Llama-shaped model at tp=4 x pp=2, one ``model.safetensors`` per (tp, pp) rank written file
-   by file (the whole model is never in memory), sharded as tensor parallelism shards it
-   (q/k/v/gate/up along dim 0, o/down along dim 1, embed_tokens/lm_head along the vocab dim 0,
-   norms replicated and stored once by tp rank 0), plus config.json (a matching LlamaConfig),
-   manifest.json (sizes, sha256, pieces) and COMPLETE. Also builds an equivalent DCP checkpoint
-   (``torch.distributed.checkpoint.save`` of the same full tensors, no process group).
+1. Builds (untimed) a synthetic Llama-shaped checkpoint in our format at tp=4 x pp=2, and the same
+   tensors as a DCP checkpoint (``synthetic_checkpoint.py``).
 2. Measures, each in its own subprocess with the page cache dropped before it (``sync; echo 3 >
    /proc/sys/vm/drop_caches``; if that is refused, each run follows a warm-up read instead):
      a. ``cp -r`` of the shard files (and, separately, the ``sync`` that makes them durable);
@@ -27,7 +22,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -38,217 +32,18 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from synthetic_checkpoint import (  # noqa: E402  (bench/ is the script's own directory, first on sys.path)
+    PP, TP, build_checkpoint, build_dcp, itemsize, make_piece, numel, split_dim,
+)
+
 MiB = 1 << 20
-TP, PP = 4, 2
-STEP = 100
-# Llama-shaped, GQA: 12 heads of 128, 4 KV heads (one per tp rank). Layers are chosen for the size.
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1536, 4096, 12, 4, 128, 32000
-ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-COL_SPLIT = ("o_proj", "down_proj")
 SPOT_CHECK = 6  # tensors compared element for element in each output
-
-
-# --------------------------------------------------------------------------------------------
-# The synthetic model
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-
-
-def _layer_shapes(i: int) -> dict[str, list[int]]:
-    p = f"model.layers.{i}."
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    return {
-        p + "input_layernorm.weight": [HIDDEN],
-        p + "self_attn.q_proj.weight": [q, HIDDEN],
-        p + "self_attn.k_proj.weight": [kv, HIDDEN],
-        p + "self_attn.v_proj.weight": [kv, HIDDEN],
-        p + "self_attn.o_proj.weight": [HIDDEN, q],
-        p + "post_attention_layernorm.weight": [HIDDEN],
-        p + "mlp.gate_proj.weight": [INTERMEDIATE, HIDDEN],
-        p + "mlp.up_proj.weight": [INTERMEDIATE, HIDDEN],
-        p + "mlp.down_proj.weight": [HIDDEN, INTERMEDIATE],
-    }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def choose_layers(size_bytes: float, dtype: str) -> int:
-    per_layer = sum(_numel(s) for s in _layer_shapes(0).values()) * _itemsize(dtype)
-    fixed = (2 * VOCAB * HIDDEN + HIDDEN) * _itemsize(dtype)  # embed, lm_head (untied), final norm
-    layers = round(max(size_bytes - fixed, 0) / per_layer / PP) * PP
-    return max(layers, PP)
-
-
-def stage_shapes(layers: int) -> list[dict[str, list[int]]]:
-    """Global shapes of the tensors each pipeline stage holds (embed first, norm + lm_head last)."""
-    per = layers // PP
-    stages = []
-    for pp in range(PP):
-        shapes: dict[str, list[int]] = {}
-        if pp == 0:
-            shapes["model.embed_tokens.weight"] = [VOCAB, HIDDEN]
-        for i in range(pp * per, (pp + 1) * per):
-            shapes.update(_layer_shapes(i))
-        if pp == PP - 1:
-            shapes["model.norm.weight"] = [HIDDEN]
-            shapes["lm_head.weight"] = [VOCAB, HIDDEN]
-        stages.append(shapes)
-    return stages
-
-
-def split_dim(name: str) -> int | None:
-    """The dim tensor parallelism shards ``name`` along; None when it is replicated."""
-    if any(k in name for k in ROW_SPLIT) or name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0
-    if any(k in name for k in COL_SPLIT):
-        return 1
-    return None
-
-
-def piece_box(name: str, shape: list[int], tp: int) -> tuple[list[int], list[int]] | None:
-    """(offsets, shape) that tp rank ``tp`` stores of ``name``; None when it stores nothing."""
-    d = split_dim(name)
-    if d is None:
-        return ([0] * len(shape), list(shape)) if tp == 0 else None
-    if shape[d] % TP:
-        raise ValueError(f"{name} dim {d} ({shape[d]}) does not divide by tp={TP}")
-    n = shape[d] // TP
-    offsets = [0] * len(shape)
-    offsets[d] = tp * n
-    local = list(shape)
-    local[d] = n
-    return offsets, local
-
-
-def make_piece(name: str, tp: int, shape: list[int], dtype):
-    """Deterministic contents of the piece ``tp`` stores of ``name`` (rebuildable for checks)."""
-    import torch
-
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 16 + tp)
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def build_checkpoint(run_dir: Path, size_bytes: float, dtype_name: str) -> dict:
-    """Write checkpoint-<STEP>/ in our format, one (tp, pp) file at a time. Returns facts about it."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    from neuron_parallel.checkpoint.format import COMPLETE, MANIFEST, Manifest, Piece, TensorEntry, model_file
-    from neuron_parallel.config import ParallelConfig
-
-    dtype = getattr(torch, dtype_name)
-    layers = choose_layers(size_bytes, dtype_name)
-    stages = stage_shapes(layers)
-    ckpt = run_dir / f"checkpoint-{STEP}"
-    ckpt.mkdir(parents=True)
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        dtype=dtype_name,
-    )
-    config.save_pretrained(ckpt)
-    files: dict[str, dict] = {}
-    tensors: dict[str, TensorEntry] = {}
-    for pp, shapes in enumerate(stages):
-        for tp in range(TP):
-            rel = model_file(tp, pp)
-            local = {}
-            for name, shape in shapes.items():
-                box = piece_box(name, shape, tp)
-                if box is None:
-                    continue
-                offsets, pshape = box
-                local[name] = make_piece(name, tp, pshape, dtype)
-                entry = tensors.setdefault(name, TensorEntry(shape=list(shape), dtype=dtype_name, kind="model"))
-                entry.pieces.append(Piece(rel, name, offsets, pshape))
-            path = ckpt / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(local, str(path), metadata={"format": "pt"})
-            del local
-            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": STEP, "synthetic": True}))
-    for name in ("config.json", "trainer_state.json"):
-        files[name] = {"size": (ckpt / name).stat().st_size, "sha256": _sha256(ckpt / name)}
-    manifest = Manifest(
-        step=STEP,
-        parallel={**_asdict(ParallelConfig(tp=TP, pp=PP)), "dp": 1},
-        model_config=json.loads((ckpt / "config.json").read_text()),
-        files=dict(sorted(files.items())),
-        tensors=dict(sorted(tensors.items())),
-    )
-    (ckpt / MANIFEST).write_text(manifest.to_json())
-    (ckpt / COMPLETE).write_text(json.dumps({"step": STEP}))
-
-    item = _itemsize(dtype_name)
-    largest = max(tensors.items(), key=lambda kv: _numel(kv[1].shape))
-    shard_files = [r for r in files if r.startswith("shards/")]
-    return {
-        "checkpoint": str(ckpt),
-        "layers": layers,
-        "dtype": dtype_name,
-        "num_tensors": len(tensors),
-        "num_shard_files": len(shard_files),
-        "tensor_bytes": sum(_numel(t.shape) for t in tensors.values()) * item,
-        "shard_file_bytes": sum(files[r]["size"] for r in shard_files),
-        "largest_tensor": largest[0],
-        "largest_tensor_bytes": _numel(largest[1].shape) * item,
-        "largest_piece_bytes": max(_numel(p.shape) for t in tensors.values() for p in t.pieces) * item,
-        "config": {
-            "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers,
-            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-            "tie_word_embeddings": False,
-        },
-    }
-
-
-def _asdict(obj) -> dict:
-    from dataclasses import asdict
-
-    return asdict(obj)
-
-
-def build_dcp(ckpt: Path, dcp_dir: Path) -> None:
-    """An equivalent DCP checkpoint: the same full tensors, one ``dcp.save`` without a process group.
-    (Needs the full state in memory once; construction is not timed.)"""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from neuron_parallel.checkpoint import CheckpointTensors
-
-    ct = CheckpointTensors(ckpt)
-    state = {name: ct.read(name) for name in ct.names("model")}
-    dcp.save(state, storage_writer=FileSystemWriter(str(dcp_dir), single_file_per_rank=True, thread_count=1), no_dist=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,9 +245,9 @@ def verify(spec: dict) -> dict:
     ckpt = Path(spec["ckpt"])
     manifest = Manifest.load(ckpt)
     names = [n for n, t in manifest.tensors.items() if t.kind == "model"]
-    expected_bytes = sum(_numel(manifest.tensors[n].shape) for n in names) * _itemsize(manifest.tensors[names[0]].dtype)
+    expected_bytes = sum(numel(manifest.tensors[n].shape) for n in names) * itemsize(manifest.tensors[names[0]].dtype)
     # the largest tensor, a row-split, a column-split (both stages) and a replicated one
-    by_size = sorted(names, key=lambda n: -_numel(manifest.tensors[n].shape))
+    by_size = sorted(names, key=lambda n: -numel(manifest.tensors[n].shape))
     picks = [by_size[0]]
     for needle in ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "mlp.down_proj", "post_attention_layernorm", "lm_head"):
         hits = [n for n in names if needle in n and n not in picks]
@@ -472,7 +267,7 @@ def verify(spec: dict) -> dict:
         f = safe_open(str(path), framework="pt")
         keys = set(f.keys())
         get = f.get_tensor
-        payload = sum(_numel(f.get_slice(k).get_shape()) for k in keys) * _itemsize(manifest.tensors[names[0]].dtype)
+        payload = sum(numel(f.get_slice(k).get_shape()) for k in keys) * itemsize(manifest.tensors[names[0]].dtype)
         with open(path, "rb") as fh:
             header_len = int.from_bytes(fh.read(8), "little")
         file_bytes = path.stat().st_size
@@ -668,12 +463,17 @@ def main() -> None:
         shutil.rmtree(dst)
         print(f"[bench] cp -r: {runs['cp']['seconds']:.2f}s (+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]", flush=True)
 
+        def measure(kind: str, label: str, source: dict, inputs: list[Path], written: str) -> None:
+            """One conversion in its own child: peak memory and time, then its output verified."""
+            out = work / f"out_{kind}"
+            runs[kind] = runner.child(kind, {**source, "out": str(out)}, inputs=inputs)
+            runs[kind]["verify"] = _verify(runner, ckpt, out / written)
+            runs[kind]["bytes"] = du(out / written)
+            shutil.rmtree(out)
+            _say(label, runs[kind])
+
+        measure("ours", "ours", {"ckpt": str(ckpt)}, [shards], "model.safetensors")
         out = work / "out_ours"
-        runs["ours"] = runner.child("ours", {"ckpt": str(ckpt), "out": str(out)}, inputs=[shards])
-        runs["ours"]["verify"] = _verify(runner, ckpt, out / "model.safetensors")
-        runs["ours"]["bytes"] = du(out / "model.safetensors")
-        shutil.rmtree(out)
-        _say("ours", runs["ours"])
 
         if args.profile:
             runs["ours_profiled"] = runner.child("ours", {"ckpt": str(ckpt), "out": str(out), "profile": True}, inputs=[shards])
@@ -693,20 +493,9 @@ def main() -> None:
             _say("ours (profiled, not in table)", runs["ours_profiled"])
 
         if not args.skip_dcp:
-            out = work / "out_dcp"
-            runs["dcp"] = runner.child("dcp", {"dcp": str(dcp_dir), "out": str(out)}, inputs=[dcp_dir])
-            runs["dcp"]["verify"] = _verify(runner, ckpt, out / "model.pt")
-            runs["dcp"]["bytes"] = du(out / "model.pt")
-            shutil.rmtree(out)
-            _say("dcp_to_torch_save", runs["dcp"])
-
+            measure("dcp", "dcp_to_torch_save", {"dcp": str(dcp_dir)}, [dcp_dir], "model.pt")
         if not args.skip_allram:
-            out = work / "out_allram"
-            runs["allram"] = runner.child("allram", {"ckpt": str(ckpt), "out": str(out)}, inputs=[shards])
-            runs["allram"]["verify"] = _verify(runner, ckpt, out / "model.safetensors")
-            runs["allram"]["bytes"] = du(out / "model.safetensors")
-            shutil.rmtree(out)
-            _say("all-in-RAM merge", runs["allram"])
+            measure("allram", "all-in-RAM merge", {"ckpt": str(ckpt)}, [shards], "model.safetensors")
 
         report["runs"] = runs
         report["goals"] = goals(facts, runs)

@@ -39,31 +39,9 @@ Nothing is hard-coded: every number is measured in this invocation.
    the time their main threads sat runnable waiting for a core held by someone else; wall minus
    that wait estimates the step on a machine of our own (waiting for the other rank or for
    communication stays in).
-3. Pipeline bubble, pp=2 and pp=4, 1F1B, m = 2p microbatches, against ``(p-1)/(m+p-1)``. The real
-   ``neuron_parallel.parallel.pipeline.PipelineRunner`` (``PipelineStage`` + ``Schedule1F1B`` over
-   gloo) drives stage modules whose forward and backward sleep a fixed time (a ``Linear`` and an
-   autograd function sleeping ``tf`` forward, ``tb`` = 2 tf backward; activations of 2 x 128 x 256
-   floats cross the stages). Each rank's busy time is measured by wrapping the stage's
-   ``forward_one_chunk``/``backward_one_chunk`` and the schedule's loss computation with timers; a
-   barrier starts every step together; the step's wall time is that of ``PipelineRunner.step``
-   (its final loss all-reduce included). Bubble = 1 - busy/wall per rank, median over steady
-   steps; the worst rank is shown. Sleeping stages use no CPU, so 4 ranks on 2 cores do not
-   contend, and the number isolates what the schedule adds: waiting for neighbours, p2p
-   latency, Python scheduling and wake-ups. Limits: the stages are perfectly balanced and fixed,
-   so stage imbalance and compute/communication contention are not in it; what the schedule adds
-   is a roughly fixed number of milliseconds per step, so the ratio to the formula depends on the
-   stage length: the goal rows use 50/100 ms (a realistic stage time for real models), and the
-   full run also shows 20/40 ms. ``--real-stages`` adds info rows measured the same way on the
-   real Llama stages of ``neuron_parallel.engine.build_engine``: those are unbalanced (the last
-   stage holds the lm_head and the loss), which the formula ignores, so they are also compared
-   with the 1F1B prediction from the measured stage times, ``1 - m t_r / (sum_s t_s + (m-1)
-   max_s t_s)``; real compute on a loaded 2-core machine (and 4 ranks at pp=4) makes them
-   indicative only.
-4. With CUDA: MFU of a ~1B Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 5632,
-   vocab 32000, seq 2048; 0.85 B parameters) as one neuron_parallel ``CausalLMStage`` under bf16
-   autocast with fp32 master weights, clipping and the engine's AdamW, FLOPs/token =
-   6 N_non_embedding + 12 L H Q T (N counts every parameter but the input embedding table),
-   peak 989 TFLOP/s dense bf16 (H100/H200, FACTS.md). Without CUDA it is reported as skipped.
+3. Pipeline bubble, pp=2 and pp=4, 1F1B, m = 2p microbatches, against ``(p-1)/(m+p-1)``:
+   ``pipeline_bubble.py`` (its docstring gives the method and its limits).
+4. With CUDA: MFU of a ~1B Llama on one device (``mfu.py``). Without CUDA it is reported as skipped.
 """
 
 from __future__ import annotations
@@ -72,17 +50,16 @@ import argparse
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from cpu_monitor import CpuMonitor  # bench/ is the script's own directory, first on sys.path
+# bench/ is the script's own directory, first on sys.path
+from bench_util import ROOT, log, loadavg, median, run_child, torchrun_cmd
+from mfu import run_mfu
+from pipeline_bubble import FINE_GRAIN, GRAIN, run_pipe
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "train_throughput.json"
 
 # A wider tiny Llama than the test default (hidden 128), so matmuls dominate the step.
@@ -93,85 +70,6 @@ SEED = 0
 LR = 1e-3
 BETAS = (0.9, 0.95)
 MAX_GRAD_NORM = 1.0
-
-# ~1B Llama for the CUDA MFU part.
-MFU_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=32000)
-MFU_SEQ = 2048
-# Sleep-stage durations (forward, backward) for the pipeline bubble: the goal rows, and a finer
-# grain shown for its sensitivity to the fixed per-step overhead.
-GRAIN = (0.05, 0.10)
-FINE_GRAIN = (0.02, 0.04)
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # FACTS.md, dense bf16
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
-def _env(threads: int, extra_path: str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-        TRANSFORMERS_VERBOSITY="error",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    paths = [str(ROOT)] + ([extra_path] if extra_path else []) + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-def _run(cmd: list[str], *, threads: int, timeout: float, label: str, extra_path: str | None = None,
-         monitor: tuple[Path, str, int] | None = None) -> tuple[float, CpuMonitor | None]:
-    """Run a child process; raise with its output on failure. Returns wall seconds and the CPU
-    monitor (``monitor`` = per-step log, marker in the workers' command lines, number of workers)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(threads, extra_path), stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        mon = CpuMonitor(proc.pid, *monitor) if monitor and sys.platform.startswith("linux") else None
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = "timeout"
-        finally:
-            if mon:
-                mon.stop()
-        if code != 0:
-            out.seek(0)
-            text = out.read().splitlines()
-            first = next((i for i, x in enumerate(text) if "Traceback" in x), max(0, len(text) - 40))
-            tail = "\n".join(text[first : first + 40] + ["..."] + text[-10:])
-            raise RuntimeError(f"{label} failed (exit {code}):\n{tail}")
-    return time.perf_counter() - t0, mon
-
-
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +121,7 @@ def write_job(run_dir: Path, world: dict, *, dp: int, pp: int = 1, mbs: int, ste
 def run_ours(tmp: Path, world: dict, *, nproc: int, threads: int, mbs: int, steps: int, warmup: int, tag: str) -> dict:
     run_dir = tmp / f"ours-{tag}"
     job = write_job(run_dir, world, dp=nproc, mbs=mbs, steps=steps)
-    wall, mon = _run(_torchrun(nproc) + ["-m", "neuron_parallel.train", str(job)], threads=threads,
+    wall, mon = run_child(torchrun_cmd(nproc) + ["-m", "neuron_parallel.train", str(job)], threads=threads,
                      timeout=900, label=f"neuron_parallel.train ({tag})",
                      monitor=(run_dir / "metrics.jsonl", "neuron_parallel.train", nproc))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -285,7 +183,7 @@ def run_plain(tmp: Path, world: dict, *, threads: int, mbs: int, steps: int, war
                max_grad_norm=MAX_GRAD_NORM, out=str(out), lines=str(lines))
     cfg_path = tmp / f"plain-{tag}.cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    wall, mon = _run([sys.executable, str(Path(__file__).resolve()), "--_worker", "plain", "--_cfg", str(cfg_path)],
+    wall, mon = run_child([sys.executable, str(Path(__file__).resolve()), "--_worker", "plain", "--_cfg", str(cfg_path)],
                      threads=threads, timeout=900, label=f"plain loop ({tag})", monitor=(lines, "--_worker", 1))
     res = json.loads(out.read_text())
     steady = [r for r in res["steps"] if r["step"] > warmup]
@@ -303,89 +201,7 @@ def run_plain(tmp: Path, world: dict, *, threads: int, mbs: int, steps: int, war
 
 
 # --------------------------------------------------------------------------------------------
-# part 2 baseline: transformers.Trainer with DDP (script written to a temp file)
-
-TRAINER_SCRIPT = r'''
-import json, os, sys, time
-import torch
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-from datasets import load_from_disk
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-cfg = json.loads(open(sys.argv[1]).read())
-
-
-class PackedRows(torch.utils.data.Dataset):
-    """The packed rows of block_size + 1 tokens: inputs, and next-token labels at every position."""
-
-    def __init__(self, path):
-        self.rows = load_from_disk(path).with_format("torch")
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        row = self.rows[i]["input_ids"]
-        # shift_labels: the loss predicts row[t+1] at every input position t, as neuron_parallel does.
-        return {"input_ids": row[:-1], "labels": row[:-1], "shift_labels": row[1:]}
-
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.begin, self.end = [], []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.begin.append(time.perf_counter())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.end.append(time.perf_counter())
-        if args.process_index == 0:  # one line per step, as train.py appends to metrics.jsonl
-            with open(cfg["lines"], "a") as f:
-                f.write(json.dumps({"step": state.global_step}) + "\n")
-
-
-args = TrainingArguments(
-    output_dir=cfg["output_dir"],
-    per_device_train_batch_size=cfg["mbs"],
-    gradient_accumulation_steps=1,
-    max_steps=cfg["steps"],
-    learning_rate=cfg["lr"],
-    lr_scheduler_type="constant",
-    warmup_steps=0,
-    weight_decay=0.0,
-    adam_beta1=cfg["betas"][0],
-    adam_beta2=cfg["betas"][1],
-    adam_epsilon=1e-8,
-    max_grad_norm=cfg["max_grad_norm"],
-    eval_strategy="no",
-    save_strategy="no",
-    logging_strategy="no",
-    report_to="none",
-    disable_tqdm=True,
-    dataloader_num_workers=0,
-    dataloader_drop_last=True,
-    remove_unused_columns=False,
-    use_cpu=True,
-    ddp_backend="gloo",
-    seed=cfg["seed"],
-)
-model = AutoModelForCausalLM.from_pretrained(cfg["model"])
-timer = StepTimer()
-trainer = Trainer(model=model, args=args, train_dataset=PackedRows(cfg["dataset"]), callbacks=[timer])
-trainer.train()
-if args.process_index == 0:
-    info = {
-        "begin": timer.begin,
-        "end": timer.end,
-        "world_size": args.world_size,
-        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
-        "optim": str(args.optim),
-        "wrapped": type(trainer.model_wrapped).__name__,
-        "threads": torch.get_num_threads(),
-    }
-    open(cfg["out"], "w").write(json.dumps(info))
-'''
-
+# part 2 baseline: transformers.Trainer with DDP (hf_trainer_ddp.py under torchrun)
 
 def trainer_deps(tmp: Path) -> tuple[str | None, str]:
     """``transformers.Trainer`` needs ``accelerate``, which the project's ``bench`` extra installs
@@ -399,8 +215,7 @@ def trainer_deps(tmp: Path) -> tuple[str | None, str]:
 
 def run_trainer(tmp: Path, world: dict, *, nproc: int, mbs: int, steps: int, warmup: int, tag: str) -> dict:
     extra_path, how = trainer_deps(tmp)
-    script = tmp / "hf_trainer_ddp.py"
-    script.write_text(textwrap.dedent(TRAINER_SCRIPT))
+    script = Path(__file__).with_name("hf_trainer_ddp.py")
     out = tmp / f"trainer-{tag}.json"
     cfg = dict(model=world["model"], dataset=world["dataset"], seed=SEED, lr=LR, betas=BETAS, mbs=mbs, steps=steps,
                max_grad_norm=MAX_GRAD_NORM, output_dir=str(tmp / f"trainer-{tag}"), out=str(out),
@@ -408,7 +223,7 @@ def run_trainer(tmp: Path, world: dict, *, nproc: int, mbs: int, steps: int, war
     Path(cfg["lines"]).unlink(missing_ok=True)
     cfg_path = tmp / f"trainer-{tag}.cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    wall, mon = _run(_torchrun(nproc) + [str(script), str(cfg_path)], threads=1, timeout=900,
+    wall, mon = run_child(torchrun_cmd(nproc) + [str(script), str(cfg_path)], threads=1, timeout=900,
                      label=f"HF Trainer DDP ({tag})", extra_path=extra_path,
                      monitor=(Path(cfg["lines"]), script.name, nproc))
     res = json.loads(out.read_text())
@@ -430,252 +245,6 @@ def run_trainer(tmp: Path, world: dict, *, nproc: int, mbs: int, steps: int, war
         "accelerate": how,
         "process_wall_s": wall,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# part 3: pipeline bubble (worker runs under torchrun, one process per pp rank)
-
-
-def _timed(fn, acc: list[float]):
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[0] += time.perf_counter() - t
-
-    return wrapper
-
-
-def _instrument(runner) -> list[float]:
-    """Accumulate this rank's compute time: stage forward, stage backward, loss (last stage)."""
-    busy = [0.0]
-    stage = runner.pipeline_stages[0]
-    stage.forward_one_chunk = _timed(stage.forward_one_chunk, busy)
-    stage.backward_one_chunk = _timed(stage.backward_one_chunk, busy)
-    runner.schedule._maybe_compute_loss = _timed(runner.schedule._maybe_compute_loss, busy)
-    return busy
-
-
-def _sleep_stage(hidden: int, tf: float, tb: float):
-    """A fixed-duration stage: ``tf`` seconds forward, ``tb`` seconds backward, plus a Linear so
-    there are parameters and activations of a realistic size to send and receive."""
-    import torch
-    import torch.nn as nn
-
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            time.sleep(tf)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(tb)
-            return grad
-
-    class SleepStage(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(hidden, hidden)
-
-        def forward(self, x):
-            return Sleep.apply(self.proj(x))
-
-    return SleepStage()
-
-
-def worker_pipe(cfg: dict) -> None:
-    """One pp rank. ``synthetic``: every case of ``cfg["cases"]`` in turn on the first ``pp`` ranks
-    of the world (a subgroup), the others waiting. ``real``: the Llama stages of ``cfg["job"]``
-    built by ``build_engine`` on a world of exactly ``pp`` ranks."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from neuron_parallel.parallel.pipeline import PipelineRunner
-
-    steps = cfg["steps"]
-    results = []
-    if cfg["mode"] == "synthetic":
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        for case in cfg["cases"]:
-            p, m, mbs = case["pp"], case["m"], case["mbs"]
-            group = dist.new_group(list(range(p)))  # every rank takes part in creating it
-            records = None
-            if rank < p:
-                torch.manual_seed(0)
-                module = _sleep_stage(cfg["hidden"], case["tf"], case["tb"])
-                runner = PipelineRunner([module], [rank], p, pp_group=group, device=torch.device("cpu"),
-                                        schedule="1f1b", num_microbatches=m,
-                                        loss_fn=lambda out, target: (out.float().mean(-1) - target).pow(2).mean())
-                busy = _instrument(runner)
-                x = torch.randn(mbs, BLOCK_SIZE, cfg["hidden"])
-                target = torch.zeros(mbs, BLOCK_SIZE)
-                records = []
-                for step in range(1, steps + 1):
-                    dist.barrier(group=group)
-                    busy[0] = 0.0
-                    t0 = time.perf_counter()
-                    runner.step(x if rank == 0 else None, target)
-                    records.append({"step": step, "wall": time.perf_counter() - t0, "busy": busy[0]})
-                    for prm in module.parameters():
-                        prm.grad = None
-            dist.barrier()
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
-            results.append({**case, "per_rank": gathered[:p]})
-    else:
-        from neuron_parallel.config import JobConfig
-        from neuron_parallel.data import BlockStream
-        from neuron_parallel.engine import build_engine
-        from neuron_parallel.mesh import ParallelDims, init_distributed, local_device
-
-        (case,) = cfg["cases"]
-        p, mbs = case["pp"], case["mbs"]
-        job = JobConfig.load(cfg["job"])
-        init_distributed("cpu")
-        rank = dist.get_rank()
-        torch.manual_seed(SEED)
-        engine = build_engine(job, ParallelDims(dp=1, pp=p, tp=1), local_device("cpu"))
-        busy = _instrument(engine.runner)
-        stream = BlockStream(job.dataset_path, seed=SEED)
-        records = []
-        for step in range(1, steps + 1):
-            inputs, labels = stream.batch((step - 1) * mbs, mbs)
-            dist.barrier()
-            busy[0] = 0.0
-            t0 = time.perf_counter()
-            engine.forward_backward(inputs, labels, 1.0)  # PipelineRunner.step: the 1F1B schedule
-            records.append({"step": step, "wall": time.perf_counter() - t0, "busy": busy[0]})
-            engine.reduce_and_clip()
-            engine.optimizer_step(LR)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, records)
-        results.append({**case, "per_rank": gathered})
-    if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def summarize_pipe(case: dict, warmup: int) -> dict:
-    """Per rank: median over steady steps of wall, busy and 1 - busy/wall; the formula; and the
-    1F1B step predicted from the measured per-stage time (imbalance and overshoot included)."""
-    p, m = case["pp"], case["m"]
-    ranks = []
-    for r, recs in enumerate(case["per_rank"]):
-        steady = [x for x in recs if x["step"] > warmup]
-        ranks.append({
-            "rank": r,
-            "wall_s": _median([x["wall"] for x in steady]),
-            "busy_s": _median([x["busy"] for x in steady]),
-            "bubble": _median([1.0 - x["busy"] / x["wall"] for x in steady]),
-            "per_step": [[round(x["busy"], 4), round(x["wall"], 4)] for x in steady],
-        })
-    t = [x["busy_s"] / m for x in ranks]  # per-microbatch forward+backward time of each stage
-    predicted_step = sum(t) + (m - 1) * max(t)
-    wall = max(x["wall_s"] for x in ranks)
-    return {
-        "pp": p, "m": m, "mbs": case["mbs"], "tf_s": case.get("tf"), "tb_s": case.get("tb"),
-        "ranks": ranks,
-        "measured_max": max(x["bubble"] for x in ranks),
-        "measured_first_stage": ranks[0]["bubble"],
-        "formula": (p - 1) / (m + p - 1),
-        "predicted_max": max(1.0 - m * tr / predicted_step for tr in t),
-        # What the schedule adds beyond ideal 1F1B with these stage times (p2p latency, wake-ups,
-        # the final loss all-reduce), in seconds per step.
-        "excess_per_step_s": wall - predicted_step,
-    }
-
-
-def run_pipe(tmp: Path, world: dict | None, *, mode: str, cases: list[dict], steps: int, warmup: int) -> list[dict]:
-    tag = f"{mode}-" + "-".join(f"pp{c['pp']}m{c['m']}t{int(1e3 * c.get('tf', 0))}" for c in cases)
-    out = tmp / f"pipe-{tag}.json"
-    nproc = max(c["pp"] for c in cases)
-    cfg = dict(mode=mode, cases=cases, steps=steps, hidden=MODEL_SHAPE["hidden_size"], out=str(out))
-    if mode == "real":
-        (c,) = cases
-        cfg["job"] = str(write_job(tmp / f"pipe-{tag}", world, dp=1, pp=c["pp"], mbs=c["mbs"], steps=steps,
-                                   num_microbatches=c["m"]))
-    cfg_path = tmp / f"pipe-{tag}.cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    _run(_torchrun(nproc) + [str(Path(__file__).resolve()), "--_worker", "pipe", "--_cfg", str(cfg_path)],
-         threads=1, timeout=900, label=f"pipeline {tag}")
-    return [{"mode": mode, **summarize_pipe(case, warmup)} for case in json.loads(out.read_text())]
-
-
-# --------------------------------------------------------------------------------------------
-# part 4: MFU on one CUDA device
-
-
-def run_mfu(device_type: str = "cuda", shape: dict | None = None, seq: int = MFU_SEQ, mbs: int = 8, steps: int = 10,
-            warmup: int = 3) -> dict:
-    import torch
-    from transformers import LlamaConfig
-
-    from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, causal_lm_loss, materialize
-    from neuron_parallel.optim import clip_grad_norm, param_groups
-
-    shape = dict(MFU_SHAPE if shape is None else shape)
-    device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    config = LlamaConfig(**shape, max_position_embeddings=seq, tie_word_embeddings=False, rms_norm_eps=1e-5)
-    L = config.num_hidden_layers
-    stage = CausalLMStage(build_meta_model(config), range(L), first=True, last=True)
-    materialize(stage, device)
-    torch.manual_seed(SEED)
-    with torch.no_grad():
-        for name, prm in stage.named_parameters():
-            if prm.dim() >= 2:
-                prm.normal_(0.0, config.initializer_range)
-            else:
-                prm.fill_(1.0)
-    stage.train()
-    stage.seq_len = seq
-    named = list(stage.named_parameters())
-    # As Engine builds it for tp == 1.
-    opt = torch.optim.AdamW(param_groups(named, 0.0), lr=1e-4, betas=BETAS, eps=1e-8, foreach=True)
-    n_total = sum(prm.numel() for prm in stage.parameters())
-    n_embed = stage.model.embed_tokens.weight.numel()
-    n_nonembed = n_total - n_embed
-    H, Q = config.num_attention_heads, config.hidden_size // config.num_attention_heads
-    flops_per_token = 6 * n_nonembed + 12 * L * H * Q * seq
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    g = torch.Generator(device="cpu").manual_seed(SEED)
-    times = []
-    for i in range(warmup + steps):
-        tokens = torch.randint(0, config.vocab_size, (mbs, seq + 1), generator=g).to(device)
-        sync()
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = causal_lm_loss(stage(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        clip_grad_norm([prm for _, prm in named], MAX_GRAD_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    step = _median(times)
-    tps = mbs * seq / step
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    out = {
-        "device": name, "params": n_total, "params_non_embedding": n_nonembed, "flops_per_token": flops_per_token,
-        "mbs": mbs, "seq": seq, "step_time_s": step, "tokens_per_s": tps, "achieved_tflops": tps * flops_per_token / 1e12,
-        "peak_tflops": peak / 1e12 if peak else None, "mfu": tps * flops_per_token / peak if peak else None,
-    }
-    if device.type == "cuda":
-        out["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,7 +291,7 @@ def sched_note(notes: list[str], name: str, ours: list[dict], base: list[dict], 
     def desc(runs):
         got = [r["sched"] for r in runs if r.get("sched")]
         return ("n/a" if not got else
-                ", ".join(f"{k} {_median([g[k + '_s'] for g in got]):.3f}s" for k in ("wall", "cpu", "queued", "own_machine")))
+                ", ".join(f"{k} {median([g[k + '_s'] for g in got]):.3f}s" for k in ("wall", "cpu", "queued", "own_machine")))
     notes.append(f"{name} per step, from the scheduler (median of runs): ours {desc(ours)}; {base_name} {desc(base)} "
                  f"(cpu = all threads of all ranks; queued = main threads waiting for a core)")
 
@@ -748,7 +317,7 @@ def sched_rows(rows: list[dict], part: dict, ours: list[dict], base: list[dict])
         b = [r["sched"][key] for r in base if r.get("sched")]
         if not o or not b:
             continue
-        o_t, b_t = ours[0]["tokens_per_step"] / _median(o), base[0]["tokens_per_step"] / _median(b)
+        o_t, b_t = ours[0]["tokens_per_step"] / median(o), base[0]["tokens_per_step"] / median(b)
         part[key] = {"ours": o_t, "baseline": b_t, "ratio": o_t / b_t}
         rows.append(dict(metric=label, ours_s=f"{o_t:,.0f} {unit}", baseline_s=f"{b_t:,.0f} {unit}",
                          ratio_s=_fmt(o_t / b_t, "ratio"), goal="info", met="-"))
@@ -769,13 +338,13 @@ def main() -> int:
                          "minute more; on a shared 2-core machine indicative only)")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON results go")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3,4")
-    ap.add_argument("--_worker", choices=["plain", "pipe"], help=argparse.SUPPRESS)
+    ap.add_argument("--_worker", choices=["plain"], help=argparse.SUPPRESS)
     ap.add_argument("--_cfg", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args._worker:
         cfg = json.loads(Path(args._cfg).read_text())
-        (worker_plain if args._worker == "plain" else worker_pipe)(cfg)
+        worker_plain(cfg)
         return 0
 
     steps = args.steps or (8 if args.quick else 16)
@@ -797,7 +366,7 @@ def main() -> int:
             "quick": args.quick, "steps": steps, "warmup": warmup, "rounds": rounds, "block_size": BLOCK_SIZE,
             "model_shape": MODEL_SHAPE, "mbs_1rank": mbs1, "mbs_dp2_per_rank": mbs2, "threads_1rank": threads,
             "lr": LR, "betas": BETAS, "max_grad_norm": MAX_GRAD_NORM, "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "python": sys.version.split()[0], "loadavg_start": _load(),
+            "torch": torch.__version__, "python": sys.version.split()[0], "loadavg_start": loadavg(),
         },
     }
     rows: list[dict] = []
@@ -822,14 +391,14 @@ def main() -> int:
                     else:
                         plain.append(run_plain(tmp, world, threads=threads, mbs=mbs1, steps=steps, warmup=warmup,
                                                tag=f"1rank-{r}"))
-            o_tps = _median([x for run in ours for x in run["tokens_per_s"]])
-            p_tps = _median([x for run in plain for x in run["tokens_per_s"]])
+            o_tps = median([x for run in ours for x in run["tokens_per_s"]])
+            p_tps = median([x for run in plain for x in run["tokens_per_s"]])
             loss_diff = max(abs(a - b) for a, b in zip(ours[0]["losses"], plain[0]["losses"]))
             ratio = o_tps / p_tps
             part1 = {
-                "ours": {"tokens_per_s": o_tps, "step_time_s": _median([x for run in ours for x in run["step_times"]]),
+                "ours": {"tokens_per_s": o_tps, "step_time_s": median([x for run in ours for x in run["step_times"]]),
                          "runs": ours},
-                "plain": {"tokens_per_s": p_tps, "step_time_s": _median([x for run in plain for x in run["step_times"]]),
+                "plain": {"tokens_per_s": p_tps, "step_time_s": median([x for run in plain for x in run["step_times"]]),
                           "runs": plain},
                 "ratio": ratio, "goal": 1.00, "met": ratio >= 1.00, "max_loss_diff": loss_diff,
             }
@@ -856,15 +425,15 @@ def main() -> int:
                                              tag=f"dp2-{r}"))
                     else:
                         hf.append(run_trainer(tmp, world, nproc=2, mbs=mbs2, steps=steps, warmup=warmup, tag=f"dp2-{r}"))
-            o_tps = _median([x for run in ours for x in run["tokens_per_s"]])
-            h_tps = _median([x for run in hf for x in run["tokens_per_s"]])
+            o_tps = median([x for run in ours for x in run["tokens_per_s"]])
+            h_tps = median([x for run in hf for x in run["tokens_per_s"]])
             tokens = hf[0]["tokens_per_step"]
-            h_cycle_tps = tokens / _median([x for run in hf for x in run["cycle_times"]])
+            h_cycle_tps = tokens / median([x for run in hf for x in run["cycle_times"]])
             ratio = o_tps / h_tps
             part2 = {
-                "ours": {"tokens_per_s": o_tps, "step_time_s": _median([x for run in ours for x in run["step_times"]]),
+                "ours": {"tokens_per_s": o_tps, "step_time_s": median([x for run in ours for x in run["step_times"]]),
                          "runs": ours},
-                "trainer": {"tokens_per_s": h_tps, "step_time_s": _median([x for run in hf for x in run["step_times"]]),
+                "trainer": {"tokens_per_s": h_tps, "step_time_s": median([x for run in hf for x in run["step_times"]]),
                             "tokens_per_s_full_cycle": h_cycle_tps, "optimizer": hf[0]["optimizer"],
                             "optim": hf[0]["optim"], "wrapped": hf[0]["wrapped"], "runs": hf},
                 "ratio": ratio, "ratio_vs_full_cycle": o_tps / h_cycle_tps, "goal": 1.05, "met": ratio >= 1.05,
@@ -886,11 +455,12 @@ def main() -> int:
         # ---- part 3: pipeline bubble --------------------------------------------------------
         if "3" not in skip:
             part3 = {"synthetic": [], "real": []}
+            pipe_kw = dict(hidden=MODEL_SHAPE["hidden_size"], block_size=BLOCK_SIZE, seed=SEED)
             grains = [GRAIN] + ([] if args.quick else [FINE_GRAIN])
             cases = [dict(pp=pp, m=2 * pp, mbs=2 * (2 * pp), tf=tf, tb=tb) for tf, tb in grains for pp in (2, 4)]
             log("part 3: pipeline bubble with sleep stages through PipelineRunner (1F1B), one 4-rank launch: "
                 + ", ".join(f"pp={c['pp']} m={c['m']} tf/tb={c['tf'] * 1e3:.0f}/{c['tb'] * 1e3:.0f} ms" for c in cases))
-            for res in run_pipe(tmp, None, mode="synthetic", cases=cases, steps=pipe_steps, warmup=warmup):
+            for res in run_pipe(tmp, mode="synthetic", cases=cases, steps=pipe_steps, warmup=warmup, **pipe_kw):
                 primary = (res["tf_s"], res["tb_s"]) == GRAIN
                 res["ratio"] = res["measured_max"] / res["formula"]
                 res["met"] = res["ratio"] <= 1.10 if primary else None
@@ -905,8 +475,10 @@ def main() -> int:
                 for pp in (2, 4):
                     m = 2 * pp
                     log(f"part 3: pipeline bubble with the real Llama stages of build_engine, pp={pp}, m={m}")
-                    (res,) = run_pipe(tmp, world, mode="real", cases=[dict(pp=pp, m=m, mbs=2 * m)], steps=pipe_steps,
-                                      warmup=warmup)
+                    job = write_job(tmp / f"pipe-real-pp{pp}", world, dp=1, pp=pp, mbs=2 * m, steps=pipe_steps,
+                                    num_microbatches=m)
+                    (res,) = run_pipe(tmp, mode="real", cases=[dict(pp=pp, m=m, mbs=2 * m)], steps=pipe_steps,
+                                      warmup=warmup, job=job, **pipe_kw)
                     res["ratio"] = res["measured_max"] / res["formula"]
                     res["ratio_vs_predicted"] = res["measured_max"] / res["predicted_max"]
                     part3["real"].append(res)
@@ -937,7 +509,7 @@ def main() -> int:
             if torch.cuda.is_available():
                 log("part 4: MFU of a ~1B Llama on one CUDA device")
                 try:
-                    mfu = run_mfu("cuda")
+                    mfu = run_mfu("cuda", seed=SEED, betas=BETAS, max_grad_norm=MAX_GRAD_NORM)
                     results["part4_mfu"] = mfu
                     rows.append(dict(metric=f"MFU ~1B Llama bf16, 1 GPU ({mfu['device']})",
                                      ours_s=_fmt(mfu["mfu"], "pct") if mfu["mfu"] is not None else
@@ -954,7 +526,7 @@ def main() -> int:
                 rows.append(dict(metric="MFU ~1B Llama bf16, 1 GPU", ours_s="skipped", baseline_s="(no CUDA device)",
                                  ratio_s="-", goal="info", met="-"))
 
-    results["config"]["loadavg_end"] = _load()
+    results["config"]["loadavg_end"] = loadavg()
     results["total_wall_s"] = time.perf_counter() - t_all
     results["table"] = rows
     results["notes"] = notes
