@@ -35,14 +35,28 @@ def child_env(threads: int, extra_path: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], *, threads: int, timeout: float, label: str, extra_path: str | None = None,
-         monitor: tuple[Path, str, int] | None = None) -> tuple[float, CpuMonitor | None]:
+def run_child(
+    cmd: list[str],
+    *,
+    threads: int,
+    timeout: float,
+    label: str,
+    extra_path: str | None = None,
+    monitor: tuple[Path, str, int] | None = None,
+) -> tuple[float, CpuMonitor | None]:
     """Run a child process; raise with its output on failure. Returns wall seconds and the CPU
     monitor (``monitor`` = per-step log, marker in the workers' command lines, number of workers)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(threads, extra_path), stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=child_env(threads, extra_path),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         mon = CpuMonitor(proc.pid, *monitor) if monitor and sys.platform.startswith("linux") else None
         try:
             code = proc.wait(timeout=timeout)

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuron_parallel.checkpoint import CheckpointWriter, validate_checkpoint  # noqa: E402
-from neuron_parallel.mesh import init_distributed  # noqa: E402
 from neuron_parallel.checkpoint.validate import expected_shapes  # noqa: E402
+from neuron_parallel.mesh import init_distributed  # noqa: E402
 
 
 def fake_model(model_dir: Path, hidden: int) -> tuple[dict, dict]:
@@ -35,8 +35,14 @@ def fake_model(model_dir: Path, hidden: int) -> tuple[dict, dict]:
     AdamW moments of the same shapes (as a training rank would hold them)."""
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=4, vocab_size=8192).save_pretrained(model_dir)
+    LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ).save_pretrained(model_dir)
     shapes = expected_shapes(json.loads((model_dir / "config.json").read_text()))
     model = {name: torch.randn(shape) for name, shape in shapes.items()}
     optim = {f"{k}.{s}": torch.randn_like(v) for k, v in model.items() for s in ("exp_avg", "exp_avg_sq")}
@@ -59,15 +65,21 @@ def run(mode_async: bool, run_dir: Path, model_dir: str, model, optim, saves: in
     writer.wait()
     final_wait = time.perf_counter() - t0
     problems = validate_checkpoint(run_dir / f"checkpoint-{saves}")
-    return {"blocked_s": blocked, "mean_blocked_s": statistics.mean(blocked), "final_wait_s": final_wait,
-            "valid": not problems}
+    return {
+        "blocked_s": blocked,
+        "mean_blocked_s": statistics.mean(blocked),
+        "final_wait_s": final_wait,
+        "valid": not problems,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024, help="model width: 1024 gives ~0.5 GB of fp32 parameters")
     ap.add_argument("--saves", type=int, default=3)
-    ap.add_argument("--work-s", type=float, default=20.0, help="seconds of compute between saves (longer than one write)")
+    ap.add_argument(
+        "--work-s", type=float, default=20.0, help="seconds of compute between saves (longer than one write)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -79,8 +91,10 @@ def main() -> None:
         for name, flag in (("sync", False), ("async", True)):
             results[name] = run(flag, Path(tmp) / name, model_dir, model, optim, args.saves, args.work_s)
     ratio = results["async"]["mean_blocked_s"] / results["sync"]["mean_blocked_s"]
-    print(f"checkpoint of {total / 1e9:.2f} GB ({len(model)} parameters + AdamW state), {args.saves} saves, "
-          f"{args.work_s:.0f} s of compute between saves")
+    print(
+        f"checkpoint of {total / 1e9:.2f} GB ({len(model)} parameters + AdamW state), {args.saves} saves, "
+        f"{args.work_s:.0f} s of compute between saves"
+    )
     print(f"{'mode':<8}{'blocked per save (s)':>24}{'mean':>10}{'final wait (s)':>16}{'valid':>8}")
     for name, r in results.items():
         per = ", ".join(f"{x:.2f}" for x in r["blocked_s"])

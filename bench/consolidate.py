@@ -39,7 +39,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from synthetic_checkpoint import (  # noqa: E402  (bench/ is the script's own directory, first on sys.path)
-    PP, TP, build_checkpoint, build_dcp, itemsize, make_piece, numel, split_dim,
+    PP,
+    TP,
+    build_checkpoint,
+    build_dcp,
+    itemsize,
+    make_piece,
+    numel,
+    split_dim,
 )
 
 MiB = 1 << 20
@@ -199,8 +206,8 @@ def run_allram(ckpt: Path, out: Path) -> dict:
 
 def run_idle() -> dict:
     """Interpreter + the imports the runs share: the RSS floor under every Python measurement."""
-    import torch  # noqa: F401
     import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
     import neuron_parallel.checkpoint  # noqa: F401
@@ -249,7 +256,13 @@ def verify(spec: dict) -> dict:
     # the largest tensor, a row-split, a column-split (both stages) and a replicated one
     by_size = sorted(names, key=lambda n: -numel(manifest.tensors[n].shape))
     picks = [by_size[0]]
-    for needle in ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "mlp.down_proj", "post_attention_layernorm", "lm_head"):
+    for needle in (
+        "layers.0.self_attn.q_proj",
+        "layers.0.self_attn.o_proj",
+        "mlp.down_proj",
+        "post_attention_layernorm",
+        "lm_head",
+    ):
         hits = [n for n in names if needle in n and n not in picks]
         if hits:
             picks.append(hits[-1])
@@ -291,8 +304,14 @@ def verify(spec: dict) -> dict:
         checked.append({"name": name, "shape": entry.shape, "pieces": len(entry.pieces), "equal": bool(ok)})
         if not ok:
             problems.append(f"{name} differs from its pieces")
-    return {"ok": not problems, "problems": problems, "file_bytes": file_bytes, "payload_bytes": payload,
-            "expected_payload_bytes": expected_bytes, "spot_checked": checked}
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "file_bytes": file_bytes,
+        "payload_bytes": payload,
+        "expected_payload_bytes": expected_bytes,
+        "spot_checked": checked,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +360,7 @@ def drop_caches() -> bool:
 
 def warm(paths: list[Path]) -> None:
     for p in paths:
-        for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+        for f in [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()):
             with open(f, "rb") as fh:
                 while fh.read(1 << 24):
                     pass
@@ -416,8 +435,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic data goes (default: a temp dir)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints and outputs")
-    ap.add_argument("--warm", action="store_true", help="do not drop the page cache; warm-read the inputs before each run")
-    ap.add_argument("--profile", action="store_true", help="add a profiled run of ours (cProfile, per-tensor RSS); not in the table")
+    ap.add_argument(
+        "--warm", action="store_true", help="do not drop the page cache; warm-read the inputs before each run"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="add a profiled run of ours (cProfile, per-tensor RSS); not in the table"
+    )
     ap.add_argument("--skip-dcp", action="store_true")
     ap.add_argument("--skip-allram", action="store_true")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "consolidate.json")
@@ -428,7 +451,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="consolidate-bench-", dir=args.workdir))
     runner = Runner(work, cold=not args.warm)
     started = time.perf_counter()
-    report: dict = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}}
+    report: dict = {
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    }
     try:
         print(f"[bench] workdir {work}", flush=True)
         t0 = time.perf_counter()
@@ -461,7 +486,10 @@ def main() -> None:
         runs["cp"] = runner.cp(shards, dst)
         runs["cp"]["bytes"] = du(dst)
         shutil.rmtree(dst)
-        print(f"[bench] cp -r: {runs['cp']['seconds']:.2f}s (+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]", flush=True)
+        print(
+            f"[bench] cp -r: {runs['cp']['seconds']:.2f}s (+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]",
+            flush=True,
+        )
 
         def measure(kind: str, label: str, source: dict, inputs: list[Path], written: str) -> None:
             """One conversion in its own child: peak memory and time, then its output verified."""
@@ -476,20 +504,29 @@ def main() -> None:
         out = work / "out_ours"
 
         if args.profile:
-            runs["ours_profiled"] = runner.child("ours", {"ckpt": str(ckpt), "out": str(out), "profile": True}, inputs=[shards])
+            runs["ours_profiled"] = runner.child(
+                "ours", {"ckpt": str(ckpt), "out": str(out), "profile": True}, inputs=[shards]
+            )
             shutil.rmtree(out)
             print(runs["ours_profiled"]["cprofile_tottime_top"])
             ph = runs["ours_profiled"]["phases"]
-            print("[bench] profiled phases (s): " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ph.items() if k.endswith("_s"))
-                  + " (cProfile inflates the Python-heavy validation; read/write/fsync/tobytes are C calls)")
+            print(
+                "[bench] profiled phases (s): "
+                + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ph.items() if k.endswith("_s"))
+                + " (cProfile inflates the Python-heavy validation; read/write/fsync/tobytes are C calls)"
+            )
             for t in ph["per_tensor"]:
                 if t["mib"] >= 64:
-                    print(f"[bench]   {t['name']}: {t['mib']:.0f} MiB, after read anon/file "
-                          f"{t['after_read']['rss_anon_mib']:.0f}/{t['after_read']['rss_file_mib']:.0f} MiB, at write "
-                          f"{t.get('at_write', {}).get('rss_anon_mib', 0):.0f}/{t.get('at_write', {}).get('rss_file_mib', 0):.0f} MiB")
+                    print(
+                        f"[bench]   {t['name']}: {t['mib']:.0f} MiB, after read anon/file "
+                        f"{t['after_read']['rss_anon_mib']:.0f}/{t['after_read']['rss_file_mib']:.0f} MiB, at write "
+                        f"{t.get('at_write', {}).get('rss_anon_mib', 0):.0f}/{t.get('at_write', {}).get('rss_file_mib', 0):.0f} MiB"
+                    )
             last = ph["per_tensor"][-1]
-            print(f"[bench]   after the last tensor: anon {last['after_read']['rss_anon_mib']:.0f} MiB, "
-                  f"file-backed {last['after_read']['rss_file_mib']:.0f} MiB")
+            print(
+                f"[bench]   after the last tensor: anon {last['after_read']['rss_anon_mib']:.0f} MiB, "
+                f"file-backed {last['after_read']['rss_file_mib']:.0f} MiB"
+            )
             _say("ours (profiled, not in table)", runs["ours_profiled"])
 
         if not args.skip_dcp:
@@ -537,20 +574,38 @@ def goals(facts: dict, runs: dict) -> dict:
     tp_ours = nbytes / ours["seconds"]
     tp_cp = nbytes / runs["cp"]["seconds"]
     tp_cp_sync = nbytes / runs["cp"]["seconds_with_sync"]
-    g["throughput_vs_cp"] = {"ours_MBps": tp_ours / 1e6, "cp_MBps": tp_cp / 1e6, "ratio": tp_ours / tp_cp, "goal": 0.8,
-                             "met": tp_ours / tp_cp >= 0.8}
-    g["throughput_vs_cp_plus_sync"] = {"cp_sync_MBps": tp_cp_sync / 1e6, "ratio": tp_ours / tp_cp_sync, "goal": 0.8,
-                                       "met": tp_ours / tp_cp_sync >= 0.8}
+    g["throughput_vs_cp"] = {
+        "ours_MBps": tp_ours / 1e6,
+        "cp_MBps": tp_cp / 1e6,
+        "ratio": tp_ours / tp_cp,
+        "goal": 0.8,
+        "met": tp_ours / tp_cp >= 0.8,
+    }
+    g["throughput_vs_cp_plus_sync"] = {
+        "cp_sync_MBps": tp_cp_sync / 1e6,
+        "ratio": tp_ours / tp_cp_sync,
+        "goal": 0.8,
+        "met": tp_ours / tp_cp_sync >= 0.8,
+    }
     budget = 2 * facts["largest_tensor_bytes"] / MiB + 300
     g["rss_vs_budget"] = {"ours_mib": ours["peak_rss_mib"], "budget_mib": budget, "met": ours["peak_rss_mib"] <= budget}
     for other in ("dcp", "allram"):
         if other in runs:
             ratio = runs[other]["peak_rss_mib"] / ours["peak_rss_mib"]
-            g[f"rss_vs_{other}"] = {"other_mib": runs[other]["peak_rss_mib"], "ours_mib": ours["peak_rss_mib"],
-                                    "ratio": ratio, "goal": 5.0, "met": ratio >= 5.0}
+            g[f"rss_vs_{other}"] = {
+                "other_mib": runs[other]["peak_rss_mib"],
+                "ours_mib": ours["peak_rss_mib"],
+                "ratio": ratio,
+                "goal": 5.0,
+                "met": ratio >= 5.0,
+            }
     stream_s = ours["seconds"] - ours.get("validate_s", 0.0)
-    g["info_streaming_only"] = {"validate_s": ours.get("validate_s", 0.0), "streaming_s": stream_s,
-                                "ratio_vs_cp": (nbytes / stream_s) / tp_cp, "ratio_vs_cp_sync": (nbytes / stream_s) / tp_cp_sync}
+    g["info_streaming_only"] = {
+        "validate_s": ours.get("validate_s", 0.0),
+        "streaming_s": stream_s,
+        "ratio_vs_cp": (nbytes / stream_s) / tp_cp,
+        "ratio_vs_cp_sync": (nbytes / stream_s) / tp_cp_sync,
+    }
     g["outputs_verified"] = all(r["verify"]["ok"] for r in runs.values() if "verify" in r)
     return g
 
@@ -558,42 +613,60 @@ def goals(facts: dict, runs: dict) -> dict:
 def print_table(facts: dict, runs: dict, g: dict) -> None:
     nbytes = facts["shard_file_bytes"]
     print()
-    print(f"checkpoint: tp{TP} x pp{PP}, {facts['layers']} layers, {facts['dtype']}, {facts['num_tensors']} tensors in "
-          f"{facts['num_shard_files']} files, {nbytes / 1e9:.3f} GB; largest tensor {facts['largest_tensor']} = "
-          f"{facts['largest_tensor_bytes'] / MiB:.1f} MiB; page cache: {runs['ours']['cache']}")
-    print(f"idle python + imports RSS: {runs['idle']['peak_rss_mib']:.0f} MiB; 1-min load average before the runs: "
-          + ", ".join(f"{k} {runs[k]['loadavg_1min_before']:.1f}" for k in ("cp", "ours", "dcp", "allram") if k in runs)
-          + f" on {os.cpu_count()} CPUs")
+    print(
+        f"checkpoint: tp{TP} x pp{PP}, {facts['layers']} layers, {facts['dtype']}, {facts['num_tensors']} tensors in "
+        f"{facts['num_shard_files']} files, {nbytes / 1e9:.3f} GB; largest tensor {facts['largest_tensor']} = "
+        f"{facts['largest_tensor_bytes'] / MiB:.1f} MiB; page cache: {runs['ours']['cache']}"
+    )
+    print(
+        f"idle python + imports RSS: {runs['idle']['peak_rss_mib']:.0f} MiB; 1-min load average before the runs: "
+        + ", ".join(f"{k} {runs[k]['loadavg_1min_before']:.1f}" for k in ("cp", "ours", "dcp", "allram") if k in runs)
+        + f" on {os.cpu_count()} CPUs"
+    )
     print()
     hdr = f"{'run':<24}{'time s':>9}{'MB/s':>9}{'peak RSS MiB':>14}{'anon max':>10}{'file max':>10}{'out GB':>9}  verified"
     print(hdr)
     print("-" * len(hdr))
     cp = runs["cp"]
-    print(f"{'cp -r':<24}{cp['seconds']:>9.2f}{nbytes / cp['seconds'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{cp['bytes'] / 1e9:>9.3f}  -")
-    print(f"{'cp -r + sync':<24}{cp['seconds_with_sync']:>9.2f}{nbytes / cp['seconds_with_sync'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{'':>9}  -")
+    print(
+        f"{'cp -r':<24}{cp['seconds']:>9.2f}{nbytes / cp['seconds'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{cp['bytes'] / 1e9:>9.3f}  -"
+    )
+    print(
+        f"{'cp -r + sync':<24}{cp['seconds_with_sync']:>9.2f}{nbytes / cp['seconds_with_sync'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{'':>9}  -"
+    )
     for key, label in (("ours", "ours (streaming)"), ("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM merge")):
         if key not in runs:
             continue
         r = runs[key]
-        print(f"{label:<24}{r['seconds']:>9.2f}{nbytes / r['seconds'] / 1e6:>9.0f}{r['peak_rss_mib']:>14.0f}"
-              f"{r['polled_max_rss_anon_mib']:>10.0f}{r['polled_max_rss_file_mib']:>10.0f}{r['bytes'] / 1e9:>9.3f}  "
-              f"{'yes' if r['verify']['ok'] else 'NO'}")
+        print(
+            f"{label:<24}{r['seconds']:>9.2f}{nbytes / r['seconds'] / 1e6:>9.0f}{r['peak_rss_mib']:>14.0f}"
+            f"{r['polled_max_rss_anon_mib']:>10.0f}{r['polled_max_rss_file_mib']:>10.0f}{r['bytes'] / 1e9:>9.3f}  "
+            f"{'yes' if r['verify']['ok'] else 'NO'}"
+        )
     print()
     mark = lambda ok: "MET " if ok else "MISS"  # noqa: E731
     t = g["throughput_vs_cp"]
     print(f"[{mark(t['met'])}] throughput ours/cp = {t['ratio']:.2f}x (goal >= 0.8x)")
     t = g["throughput_vs_cp_plus_sync"]
-    print(f"[{mark(t['met'])}] throughput ours/(cp + sync) = {t['ratio']:.2f}x (goal >= 0.8x; ours fsyncs, plain cp does not)")
+    print(
+        f"[{mark(t['met'])}] throughput ours/(cp + sync) = {t['ratio']:.2f}x (goal >= 0.8x; ours fsyncs, plain cp does not)"
+    )
     r = g["rss_vs_budget"]
     print(f"[{mark(r['met'])}] ours peak RSS {r['ours_mib']:.0f} MiB vs 2 x largest + 300 = {r['budget_mib']:.0f} MiB")
     for other, label in (("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM")):
         if f"rss_vs_{other}" in g:
             r = g[f"rss_vs_{other}"]
-            print(f"[{mark(r['met'])}] {label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = {r['ratio']:.1f}x (goal >= 5x)")
+            print(
+                f"[{mark(r['met'])}] {label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = {r['ratio']:.1f}x (goal >= 5x)"
+            )
     i = g["info_streaming_only"]
-    print(f"       (info) ours = {i['validate_s']:.2f}s up-front validation + {i['streaming_s']:.2f}s streaming; streaming alone "
-          f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync")
-    print(f"[{mark(g['outputs_verified'])}] every output verified (names, byte total, spot-checked tensors equal the pieces)")
+    print(
+        f"       (info) ours = {i['validate_s']:.2f}s up-front validation + {i['streaming_s']:.2f}s streaming; streaming alone "
+        f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync"
+    )
+    print(
+        f"[{mark(g['outputs_verified'])}] every output verified (names, byte total, spot-checked tensors equal the pieces)"
+    )
 
 
 if __name__ == "__main__":

@@ -56,14 +56,19 @@ class CpuMonitor:
         while not self._stop.is_set():
             try:
                 if len(pids) < self.workers:
-                    pids = [p for p in process_tree(self.root_pid)
-                            if self.marker in (c := _cmdline(p)) and "torch.distributed.run" not in c]
+                    pids = [
+                        p
+                        for p in process_tree(self.root_pid)
+                        if self.marker in (c := _cmdline(p)) and "torch.distributed.run" not in c
+                    ]
                 size = self.lines_path.stat().st_size if self.lines_path.exists() else 0
                 if size and size != last_size and len(pids) == self.workers:
                     now = time.perf_counter()
                     stats = [_sched_ns(p) for p in pids]
                     lines = self.lines_path.read_bytes().count(b"\n")
-                    self.first_seen.setdefault(lines, (now, sum(c for c, _ in stats), statistics.median([q for _, q in stats])))
+                    self.first_seen.setdefault(
+                        lines, (now, sum(c for c, _ in stats), statistics.median([q for _, q in stats]))
+                    )
                     last_size = size
             except (OSError, ValueError):
                 if pids and not all(os.path.exists(f"/proc/{p}") for p in pids):

@@ -79,7 +79,9 @@ if args.process_index == 0:
         "begin": timer.begin,
         "end": timer.end,
         "world_size": args.world_size,
-        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
+        "optimizer": type(
+            trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        ).__name__,
         "optim": str(args.optim),
         "wrapped": type(trainer.model_wrapped).__name__,
         "threads": torch.get_num_threads(),

@@ -12,14 +12,29 @@ import time
 from bench_util import median  # bench/ is first on sys.path
 
 # ~1B Llama: hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 5632, vocab 32000.
-MFU_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=32000)
+MFU_SHAPE = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=5632,
+    vocab_size=32000,
+)
 MFU_SEQ = 2048
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # FACTS.md, dense bf16
 
 
-def run_mfu(device_type: str = "cuda", shape: dict | None = None, seq: int = MFU_SEQ, mbs: int = 8, steps: int = 10,
-            warmup: int = 3, seed: int = 0, betas: tuple[float, float] = (0.9, 0.95), max_grad_norm: float = 1.0) -> dict:
+def run_mfu(
+    device_type: str = "cuda",
+    shape: dict | None = None,
+    seq: int = MFU_SEQ,
+    mbs: int = 8,
+    steps: int = 10,
+    warmup: int = 3,
+    seed: int = 0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    max_grad_norm: float = 1.0,
+) -> dict:
     """Median step time, tokens/s, achieved TFLOP/s and MFU of one ``CausalLMStage`` on one device."""
     import torch
     from transformers import LlamaConfig
@@ -79,9 +94,17 @@ def run_mfu(device_type: str = "cuda", shape: dict | None = None, seq: int = MFU
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     out = {
-        "device": name, "params": n_total, "params_non_embedding": n_nonembed, "flops_per_token": flops_per_token,
-        "mbs": mbs, "seq": seq, "step_time_s": step, "tokens_per_s": tps, "achieved_tflops": tps * flops_per_token / 1e12,
-        "peak_tflops": peak / 1e12 if peak else None, "mfu": tps * flops_per_token / peak if peak else None,
+        "device": name,
+        "params": n_total,
+        "params_non_embedding": n_nonembed,
+        "flops_per_token": flops_per_token,
+        "mbs": mbs,
+        "seq": seq,
+        "step_time_s": step,
+        "tokens_per_s": tps,
+        "achieved_tflops": tps * flops_per_token / 1e12,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "mfu": tps * flops_per_token / peak if peak else None,
     }
     if device.type == "cuda":
         out["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

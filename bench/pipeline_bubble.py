@@ -109,9 +109,16 @@ def worker_pipe(cfg: dict) -> None:
             if rank < p:
                 torch.manual_seed(0)
                 module = _sleep_stage(cfg["hidden"], case["tf"], case["tb"])
-                runner = PipelineRunner([module], [rank], p, pp_group=group, device=torch.device("cpu"),
-                                        schedule="1f1b", num_microbatches=m,
-                                        loss_fn=lambda out, target: (out.float().mean(-1) - target).pow(2).mean())
+                runner = PipelineRunner(
+                    [module],
+                    [rank],
+                    p,
+                    pp_group=group,
+                    device=torch.device("cpu"),
+                    schedule="1f1b",
+                    num_microbatches=m,
+                    loss_fn=lambda out, target: (out.float().mean(-1) - target).pow(2).mean(),
+                )
                 busy = _instrument(runner)
                 x = torch.randn(mbs, cfg["block_size"], cfg["hidden"])
                 target = torch.zeros(mbs, cfg["block_size"])
@@ -168,18 +175,24 @@ def summarize_pipe(case: dict, warmup: int) -> dict:
     ranks = []
     for r, recs in enumerate(case["per_rank"]):
         steady = [x for x in recs if x["step"] > warmup]
-        ranks.append({
-            "rank": r,
-            "wall_s": median([x["wall"] for x in steady]),
-            "busy_s": median([x["busy"] for x in steady]),
-            "bubble": median([1.0 - x["busy"] / x["wall"] for x in steady]),
-            "per_step": [[round(x["busy"], 4), round(x["wall"], 4)] for x in steady],
-        })
+        ranks.append(
+            {
+                "rank": r,
+                "wall_s": median([x["wall"] for x in steady]),
+                "busy_s": median([x["busy"] for x in steady]),
+                "bubble": median([1.0 - x["busy"] / x["wall"] for x in steady]),
+                "per_step": [[round(x["busy"], 4), round(x["wall"], 4)] for x in steady],
+            }
+        )
     t = [x["busy_s"] / m for x in ranks]  # per-microbatch forward+backward time of each stage
     predicted_step = sum(t) + (m - 1) * max(t)
     wall = max(x["wall_s"] for x in ranks)
     return {
-        "pp": p, "m": m, "mbs": case["mbs"], "tf_s": case.get("tf"), "tb_s": case.get("tb"),
+        "pp": p,
+        "m": m,
+        "mbs": case["mbs"],
+        "tf_s": case.get("tf"),
+        "tb_s": case.get("tb"),
         "ranks": ranks,
         "measured_max": max(x["bubble"] for x in ranks),
         "measured_first_stage": ranks[0]["bubble"],
@@ -191,18 +204,40 @@ def summarize_pipe(case: dict, warmup: int) -> dict:
     }
 
 
-def run_pipe(tmp: Path, *, mode: str, cases: list[dict], steps: int, warmup: int, hidden: int, block_size: int,
-             seed: int, job: Path | None = None) -> list[dict]:
+def run_pipe(
+    tmp: Path,
+    *,
+    mode: str,
+    cases: list[dict],
+    steps: int,
+    warmup: int,
+    hidden: int,
+    block_size: int,
+    seed: int,
+    job: Path | None = None,
+) -> list[dict]:
     """Every case in one torchrun launch of ``max(pp)`` ranks; ``job`` (a job.json) for ``real``."""
     tag = f"{mode}-" + "-".join(f"pp{c['pp']}m{c['m']}t{int(1e3 * c.get('tf', 0))}" for c in cases)
     out = tmp / f"pipe-{tag}.json"
     nproc = max(c["pp"] for c in cases)
-    cfg = dict(mode=mode, cases=cases, steps=steps, hidden=hidden, block_size=block_size, seed=seed, out=str(out),
-               job=str(job) if job else None)
+    cfg = dict(
+        mode=mode,
+        cases=cases,
+        steps=steps,
+        hidden=hidden,
+        block_size=block_size,
+        seed=seed,
+        out=str(out),
+        job=str(job) if job else None,
+    )
     cfg_path = tmp / f"pipe-{tag}.cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    run_child(torchrun_cmd(nproc) + [str(Path(__file__).resolve()), str(cfg_path)], threads=1, timeout=900,
-              label=f"pipeline {tag}")
+    run_child(
+        torchrun_cmd(nproc) + [str(Path(__file__).resolve()), str(cfg_path)],
+        threads=1,
+        timeout=900,
+        label=f"pipeline {tag}",
+    )
     return [{"mode": mode, **summarize_pipe(case, warmup)} for case in json.loads(out.read_text())]
 
 

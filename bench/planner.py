@@ -89,9 +89,11 @@ def worker(job_path: str, out_dir: str) -> None:
 
     train.CheckpointWriter = NoCheckpoints
     for name in ("forward_backward", "reduce_and_clip", "optimizer_step"):
+
         def wrapped(self, *args, _fn=getattr(Engine, name), _name=name, **kwargs):
             with record_function(f"{PHASE_PREFIX}{_name}"):
                 return _fn(self, *args, **kwargs)
+
         setattr(Engine, name, wrapped)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -108,33 +110,63 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
 
     shape_name, seq, world, parallel, mbs = CASES[name]
     paths = worlds[shape_name]
-    ds = tokenize_dataset(source=paths["corpus"], tokenizer_dir=paths["model"], block_size=seq,
-                          cache_dir=work / "datasets")
+    ds = tokenize_dataset(
+        source=paths["corpus"], tokenizer_dir=paths["model"], block_size=seq, cache_dir=work / "datasets"
+    )
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = JobConfig(model_path=paths["model"], dataset_path=ds.path, output_dir=str(run_dir), block_size=seq,
-                    parallel=ParallelConfig.for_world(world, **parallel),
-                    train=TrainConfig(max_steps=steps, save_every=0, micro_batch_size=mbs, lr=1e-3, log_every=1))
+    job = JobConfig(
+        model_path=paths["model"],
+        dataset_path=ds.path,
+        output_dir=str(run_dir),
+        block_size=seq,
+        parallel=ParallelConfig.for_world(world, **parallel),
+        train=TrainConfig(max_steps=steps, save_every=0, micro_batch_size=mbs, lr=1e-3, log_every=1),
+    )
     (run_dir / "job.json").write_text(job.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--worker", str(run_dir / "job.json"), str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(run_dir / "job.json"),
+        str(run_dir),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
-        err = proc.stderr[max(0, proc.stderr.find("Traceback")):][:3000]
+        err = proc.stderr[max(0, proc.stderr.find("Traceback")) :][:3000]
         raise SystemExit(f"case {name} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{err}")
     shape = ModelShape.from_config(paths["model"])
     ranks = []
     for r in range(world):
         meas = json.loads((run_dir / f"rank{r}.json").read_text())
         pred = job_rank_memory(shape, job, r)
-        ranks.append({"rank": r, "measured": meas["peak"], "measured_phase": meas["phase"],
-                      "measured_phases": meas["phases"], "predicted": pred.as_dict(),
-                      "error": pred.total / meas["peak"] - 1})
+        ranks.append(
+            {
+                "rank": r,
+                "measured": meas["peak"],
+                "measured_phase": meas["phase"],
+                "measured_phases": meas["phases"],
+                "predicted": pred.as_dict(),
+                "error": pred.total / meas["peak"] - 1,
+            }
+        )
     worst = max(ranks, key=lambda x: x["measured"])
-    return {"case": name, "world": world, "parallel": parallel, "seq": seq, "micro_batch_size": mbs,
-            "ranks": ranks, "worst": worst, "max_abs_error": max(abs(x["error"]) for x in ranks),
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "case": name,
+        "world": world,
+        "parallel": parallel,
+        "seq": seq,
+        "micro_batch_size": mbs,
+        "ranks": ranks,
+        "worst": worst,
+        "max_abs_error": max(abs(x["error"]) for x in ranks),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def _world(path: Path, shape: dict) -> dict:
@@ -157,20 +189,41 @@ def print_table(results: list[dict]) -> None:
     for res in results:
         w = res["worst"]
         p = w["predicted"]
-        print(f"{res['case']:26s} {w['rank']:4d} " + " ".join(_mb(p[c]) for c in cols)
-              + f" {_mb(p['total'])} {_mb(w['measured'])} {100 * w['error']:+6.1f} {100 * res['max_abs_error']:6.1f}"
-              f"  {p['phase']}/{w['measured_phase']}")
+        print(
+            f"{res['case']:26s} {w['rank']:4d} "
+            + " ".join(_mb(p[c]) for c in cols)
+            + f" {_mb(p['total'])} {_mb(w['measured'])} {100 * w['error']:+6.1f} {100 * res['max_abs_error']:6.1f}"
+            f"  {p['phase']}/{w['measured_phase']}"
+        )
 
 
 # FACTS.md, "Published training throughput": Neuron distributed library on 32 × trn1.32xlarge,
 # seq 8192, bf16, global batch 1024 (our assumption); sequences/s of the whole job.
 ANCHORS = {
-    "Llama-3.1-8B TP32 DP32 ZeRO-1": (dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
-                                      (32, 1, 32), (42, 48)),
-    "Llama-3.1-70B TP32 PP8 DP4": (dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                                         num_key_value_heads=8, intermediate_size=28672, vocab_size=128256),
-                                   (32, 8, 4), (7.5, 7.9)),
+    "Llama-3.1-8B TP32 DP32 ZeRO-1": (
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+        ),
+        (32, 1, 32),
+        (42, 48),
+    ),
+    "Llama-3.1-70B TP32 PP8 DP4": (
+        dict(
+            hidden_size=8192,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            intermediate_size=28672,
+            vocab_size=128256,
+        ),
+        (32, 8, 4),
+        (7.5, 7.9),
+    ),
 }
 
 
@@ -182,18 +235,36 @@ def anchors() -> list[dict]:
     rows = []
     for name, (config, split, published) in ANCHORS.items():
         report = plan(config, "trn1.32xlarge", nodes=32, seq_len=8192, global_batch=1024)
-        same = [c for c in report.plans if c.fits and (c.tp, c.pp, c.dp) == split and c.zero_1
-                and c.sequence_parallel and c.activation_checkpointing and c.pipeline_schedule == "1f1b"]
+        same = [
+            c
+            for c in report.plans
+            if c.fits
+            and (c.tp, c.pp, c.dp) == split
+            and c.zero_1
+            and c.sequence_parallel
+            and c.activation_checkpointing
+            and c.pipeline_schedule == "1f1b"
+        ]
         c = max(same, key=lambda c: (float(f"{c.tokens_per_s:.3g}"), -c.memory_per_rank_bytes))
         published = tuple(x * 8192 / 32 for x in published)  # sequences/s → tokens/s per instance
-        rows.append({"case": name, "layout": c.describe(), "predicted_per_instance": c.tokens_per_s / 32,
-                     "published_per_instance": published, "mfu": c.mfu,
-                     "memory_GiB": c.memory_per_rank_bytes / 2**30, "best_layout": report.best.describe(),
-                     "best_per_instance": report.best.tokens_per_s / 32})
+        rows.append(
+            {
+                "case": name,
+                "layout": c.describe(),
+                "predicted_per_instance": c.tokens_per_s / 32,
+                "published_per_instance": published,
+                "mfu": c.mfu,
+                "memory_GiB": c.memory_per_rank_bytes / 2**30,
+                "best_layout": report.best.describe(),
+                "best_per_instance": report.best.tokens_per_s / 32,
+            }
+        )
         lo, hi = published
-        print(f"{name}: predicted {c.tokens_per_s / 32:,.0f} tokens/s per instance ({c.mfu:.0%} MFU, "
-              f"{c.memory_per_rank_bytes / 2**30:.1f} GiB/rank) vs published {lo:,.0f}-{hi:,.0f}; "
-              f"planner's best {report.best.describe()}: {report.best.tokens_per_s / 32:,.0f}")
+        print(
+            f"{name}: predicted {c.tokens_per_s / 32:,.0f} tokens/s per instance ({c.mfu:.0%} MFU, "
+            f"{c.memory_per_rank_bytes / 2**30:.1f} GiB/rank) vs published {lo:,.0f}-{hi:,.0f}; "
+            f"planner's best {report.best.describe()}: {report.best.tokens_per_s / 32:,.0f}"
+        )
     return rows
 
 
@@ -213,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             res = run_case(name, worlds, work, args.steps)
             results.append(res)
-            print(f"{name}: worst rank {res['worst']['rank']} error {100 * res['worst']['error']:+.1f}% "
-                  f"(max |err| {100 * res['max_abs_error']:.1f}%), {res['wall_s']:.0f}s", flush=True)
+            print(
+                f"{name}: worst rank {res['worst']['rank']} error {100 * res['worst']['error']:+.1f}% "
+                f"(max |err| {100 * res['max_abs_error']:.1f}%), {res['wall_s']:.0f}s",
+                flush=True,
+            )
     print_table(results)
     print("\nStep-time model against FACTS.md's published anchors (32 × trn1.32xlarge, seq 8192, bf16):")
     rows = anchors()
@@ -222,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "bench" / "results" / "planner.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cases": results, "within_15pct": ok, "anchors": rows}, indent=1))
-    print(f"\n{sum(r['max_abs_error'] <= 0.15 for r in results)}/{len(results)} cases within ±15% on every rank; "
-          f"written {out.relative_to(ROOT)}")
+    print(
+        f"\n{sum(r['max_abs_error'] <= 0.15 for r in results)}/{len(results)} cases within ±15% on every rank; "
+        f"written {out.relative_to(ROOT)}"
+    )
     return 0 if ok else 1
 
 

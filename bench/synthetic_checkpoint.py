@@ -187,8 +187,12 @@ def build_checkpoint(run_dir: Path, size_bytes: float, dtype_name: str) -> dict:
         "largest_tensor_bytes": numel(largest[1].shape) * item,
         "largest_piece_bytes": max(numel(p.shape) for t in tensors.values() for p in t.pieces) * item,
         "config": {
-            "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers,
-            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "intermediate_size": INTERMEDIATE,
+            "num_hidden_layers": layers,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "vocab_size": VOCAB,
             "tie_word_embeddings": False,
         },
     }
@@ -210,4 +214,6 @@ def build_dcp(ckpt: Path, dcp_dir: Path) -> None:
 
     ct = CheckpointTensors(ckpt)
     state = {name: ct.read(name) for name in ct.names("model")}
-    dcp.save(state, storage_writer=FileSystemWriter(str(dcp_dir), single_file_per_rank=True, thread_count=1), no_dist=True)
+    dcp.save(
+        state, storage_writer=FileSystemWriter(str(dcp_dir), single_file_per_rank=True, thread_count=1), no_dist=True
+    )

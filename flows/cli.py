@@ -1,14 +1,14 @@
 """``neuron-flows``: the command line.
 
-    neuron-flows run CONFIG [--set k=v ...]        the whole pipeline as a Prefect flow
-    neuron-flows train CONFIG [--set k=v ...]      tokenize + train only (torchrun, no Prefect)
-    neuron-flows validate PATH [--quick]           check a checkpoint
-    neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
-    neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
-    neuron-flows serve [--port 4200]               local Prefect server + deployments + worker (UI)
-    neuron-flows join [--launch-file F]            a further node of a multi-node run (Kubernetes)
-    neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
-                                                   rank parallel layouts: memory per rank, tokens/s
+neuron-flows run CONFIG [--set k=v ...]        the whole pipeline as a Prefect flow
+neuron-flows train CONFIG [--set k=v ...]      tokenize + train only (torchrun, no Prefect)
+neuron-flows validate PATH [--quick]           check a checkpoint
+neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
+neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
+neuron-flows serve [--port 4200]               local Prefect server + deployments + worker (UI)
+neuron-flows join [--launch-file F]            a further node of a multi-node run (Kubernetes)
+neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
+                                               rank parallel layouts: memory per rank, tokens/s
 """
 
 from __future__ import annotations
@@ -84,14 +84,19 @@ def cmd_train(args) -> int:
     )
     layout, report = resolve_layout(config, model_dir, ds.path)
     if report is not None:
-        print(f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True)
+        print(
+            f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True
+        )
     job = config.to_job(model_path=model_dir, dataset_path=ds.path, plan=layout)
 
     def show(event: dict) -> None:
         kind = event.pop("event")
         if kind == "step":
-            print(f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
-                  f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s", flush=True)
+            print(
+                f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
+                f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
         else:
             print(f"{kind}: {json.dumps(event)}", flush=True)
 
@@ -139,8 +144,9 @@ def cmd_validate(args) -> int:
 def cmd_consolidate(args) -> int:
     from neuron_parallel.checkpoint import consolidate_checkpoint
 
-    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size,
-                                 model_dir=args.model_dir)
+    out = consolidate_checkpoint(
+        args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size, model_dir=args.model_dir
+    )
     print(f"consolidated: {out}")
     return 0
 
@@ -158,8 +164,15 @@ def cmd_plan(args) -> int:
     from neuron_parallel.planner import format_table, plan
 
     model = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
-    report = plan(model, args.hardware, nodes=args.nodes, seq_len=args.seq_len, global_batch=args.global_batch,
-                  precision=args.precision, ranks_per_node=args.ranks_per_node)
+    report = plan(
+        model,
+        args.hardware,
+        nodes=args.nodes,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        ranks_per_node=args.ranks_per_node,
+    )
     print(json.dumps(report.to_dict()) if args.json else format_table(report, args.top))
     return 0 if report.feasible else 1
 
@@ -179,15 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--quick", action="store_true", help="sizes only, no checksums or tensor reads")
     p.set_defaults(fn=cmd_validate)
-    p = sub.add_parser("consolidate", help="write a Hugging Face model directory from a checkpoint (ours, or "
-                       "optimum-neuron / neuronx-distributed)")
+    p = sub.add_parser(
+        "consolidate",
+        help="write a Hugging Face model directory from a checkpoint (ours, or optimum-neuron / neuronx-distributed)",
+    )
     p.add_argument("checkpoint", help="run dir (newest complete checkpoint), checkpoint dir, or its shards/")
     p.add_argument("output")
     p.add_argument("-f", "--format", choices=["safetensors", "pytorch"], default="safetensors")
     p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--model-dir", metavar="DIR", help="Hugging Face model dir whose config, generation config and "
-                   "tokenizer are copied (default: the checkpoint's own; for optimum-neuron checkpoints, the "
-                   "checkpoint dir or its parent)")
+    p.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="Hugging Face model dir whose config, generation config and "
+        "tokenizer are copied (default: the checkpoint's own; for optimum-neuron checkpoints, the "
+        "checkpoint dir or its parent)",
+    )
     p.set_defaults(fn=cmd_consolidate)
     p = sub.add_parser("make-tiny", help="build a tiny Llama, tokenizer and corpus with no network")
     p.add_argument("dir")
@@ -198,18 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=4200)
     p.add_argument("--home", default=".runs/prefect", help="PREFECT_HOME: the server's SQLite database and settings")
     p.add_argument("--no-worker", action="store_true", help="start no worker for the local pool")
-    p.add_argument("--register-only", action="store_true",
-                   help="register pools and deployments on the server at PREFECT_API_URL, then exit")
+    p.add_argument(
+        "--register-only",
+        action="store_true",
+        help="register pools and deployments on the server at PREFECT_API_URL, then exit",
+    )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("join", help="wait for a multi-node launch published by the first node, and join it")
     p.add_argument("--launch-file", help="default $NEURON_FLOWS_LAUNCH_FILE")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds to wait for the launch")
     p.set_defaults(fn=cmd_join)
     p = sub.add_parser("plan", help="rank parallel layouts of a model on some hardware (memory per rank, tokens/s)")
-    p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG_JSON",
-                   help="model directory, its config.json, or the config as inline JSON (weights are never read)")
-    p.add_argument("--hardware", required=True, help="trn2.48xlarge, trn3, trn1.32xlarge, p5.48xlarge, h200x8, "
-                   "cpu, or a hardware YAML file (neuron_parallel.hardware)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH_OR_CONFIG_JSON",
+        help="model directory, its config.json, or the config as inline JSON (weights are never read)",
+    )
+    p.add_argument(
+        "--hardware",
+        required=True,
+        help="trn2.48xlarge, trn3, trn1.32xlarge, p5.48xlarge, h200x8, "
+        "cpu, or a hardware YAML file (neuron_parallel.hardware)",
+    )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")

@@ -33,11 +33,13 @@ def _fill_env(value):
     """``{{ $NAME }}`` → the environment variable NAME, recursively (as ``prefect deploy`` does);
     ``NEURON_FLOWS_ROOT`` defaults to this repository's root."""
     if isinstance(value, str):
+
         def sub(m):
             env = {"NEURON_FLOWS_ROOT": str(ROOT), **os.environ}
             if m.group(1) not in env:
                 raise ValueError(f"{DEPLOYMENTS.name} refers to ${m.group(1)}, which is not set")
             return env[m.group(1)]
+
         return _ENV_REF.sub(sub, value)
     if isinstance(value, list):
         return [_fill_env(v) for v in value]
@@ -121,8 +123,9 @@ def _die_with_parent() -> None:
 
 
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    return subprocess.Popen(
+        cmd, env=env, cwd=ROOT, start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None
+    )
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -134,8 +137,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: binding {host}: Prefect's API has no authentication; anyone who can reach it can run "
-              "flows and read parameters", file=sys.stderr)
+        print(
+            f"warning: binding {host}: Prefect's API has no authentication; anyone who can reach it can run "
+            "flows and read parameters",
+            file=sys.stderr,
+        )
     home.mkdir(parents=True, exist_ok=True)
     api = f"http://{host}:{port}/api"
     env = {
@@ -166,12 +172,17 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         _wait_healthy(api, server)
         names = asyncio.run(register(load_spec()))
         if worker:
-            procs.insert(0, _start([sys.executable, "-m", "prefect", "worker", "start", "--pool", "local",
-                                    "--type", "process"], env))
+            procs.insert(
+                0,
+                _start(
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "local", "--type", "process"], env
+                ),
+            )
         print(f"Prefect UI: http://{host}:{port}/", flush=True)
         print(f"deployments: {', '.join(names)}", flush=True)
-        print("worker: " + ("pool 'local'" if worker else "none") + "; Ctrl-C stops everything started here",
-              flush=True)
+        print(
+            "worker: " + ("pool 'local'" if worker else "none") + "; Ctrl-C stops everything started here", flush=True
+        )
         while all(p.poll() is None for p in procs):
             time.sleep(1)
         dead = next(p for p in procs if p.poll() is not None)

@@ -61,7 +61,9 @@ class ParallelConfig:
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"parallel.mixed_precision={self.mixed_precision!r} is not one of {PRECISIONS}")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp")
+            raise ValueError(
+                "parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp"
+            )
         multi = self.pipeline_schedule in ("interleaved_1f1b", "zbv")
         if multi and self.virtual_stages < 2:
             raise ValueError(
@@ -91,7 +93,7 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     @classmethod
-    def for_world(cls, world_size: int, **kwargs: Any) -> "ParallelConfig":
+    def for_world(cls, world_size: int, **kwargs: Any) -> ParallelConfig:
         """Derive dp = world_size / (tp × pp), refusing splits that do not divide."""
         tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
         if world_size % (tp * pp):
@@ -191,14 +193,14 @@ class JobConfig:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
         data = dict(data)
         data["parallel"] = ParallelConfig(**data.get("parallel", {}))
         data["train"] = TrainConfig(**data.get("train", {}))
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path) -> "JobConfig":
+    def load(cls, path: str | Path) -> JobConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
@@ -219,7 +221,9 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ValueError(f"launch.nproc_per_node and launch.nnodes must be >= 1, got {self.nproc_per_node}, {self.nnodes}")
+            raise ValueError(
+                f"launch.nproc_per_node and launch.nnodes must be >= 1, got {self.nproc_per_node}, {self.nnodes}"
+            )
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(
                 f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT, an address of the first node "

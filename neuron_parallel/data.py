@@ -112,9 +112,7 @@ def tokenize_dataset(
 
     if block_size < 2:
         raise ValueError(f"data.block_size must be >= 2, got {block_size}")
-    fingerprint = dataset_fingerprint(
-        source, tokenizer_dir, block_size=block_size, text_field=text_field, split=split
-    )
+    fingerprint = dataset_fingerprint(source, tokenizer_dir, block_size=block_size, text_field=text_field, split=split)
     out = Path(cache_dir) / fingerprint
     info_path = out / "neuron_flows_dataset.json"
     if info_path.exists():

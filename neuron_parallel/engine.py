@@ -119,7 +119,9 @@ class Engine:
         # A tied weight split over two stages holds one gradient twice; count it once.
         twice = self.tied and self.dims.pp > 1
         counted = [p for n, p in self.named_parameters() if not (twice and n == "lm_head.weight")]
-        return clip_grad_norm(params, self.job.train.max_grad_norm, pp_group=mesh["pp"].get_group(), norm_params=counted)
+        return clip_grad_norm(
+            params, self.job.train.max_grad_norm, pp_group=mesh["pp"].get_group(), norm_params=counted
+        )
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -133,7 +135,7 @@ class Engine:
         return not (self.tied and name.startswith("lm_head.weight"))
 
     def _source_name(self, name: str) -> str:
-        return "model.embed_tokens.weight" + name[len("lm_head.weight"):] if not self._stored(name) else name
+        return "model.embed_tokens.weight" + name[len("lm_head.weight") :] if not self._stored(name) else name
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.named_parameters() if self._stored(name)}
@@ -193,8 +195,14 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, pc.pp, pc.virtual_stages, pc.pipeline_schedule)
     parts = build_stages(
-        build_meta_model(config), config, pp_rank=pp_rank, pp=pc.pp, virtual_stages=pc.virtual_stages,
-        schedule=pc.pipeline_schedule, layer_split=pc.layer_split, recompute_every=pc.activation_checkpointing,
+        build_meta_model(config),
+        config,
+        pp_rank=pp_rank,
+        pp=pc.pp,
+        virtual_stages=pc.virtual_stages,
+        schedule=pc.pipeline_schedule,
+        layer_split=pc.layer_split,
+        recompute_every=pc.activation_checkpointing,
     )
     weights = HFWeights(job.model_path)
     for part in parts:
@@ -206,7 +214,13 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
     runner = None
     if dims.pp > 1:
         runner = PipelineRunner(
-            parts, stage_ids, pc.num_stages, pp_group=mesh["pp"].get_group(), device=device,
-            schedule=pc.pipeline_schedule, num_microbatches=pc.num_microbatches, loss_fn=causal_lm_loss,
+            parts,
+            stage_ids,
+            pc.num_stages,
+            pp_group=mesh["pp"].get_group(),
+            device=device,
+            schedule=pc.pipeline_schedule,
+            num_microbatches=pc.num_microbatches,
+            loss_fn=causal_lm_loss,
         )
     return Engine(job=job, dims=dims, device=device, config=config, parts=parts, stage_ids=stage_ids, runner=runner)

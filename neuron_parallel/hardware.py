@@ -65,7 +65,7 @@ class HardwareSpec:
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"hardware {self.name}: efficiency must lie in (0, 1], got {self.efficiency}")
 
-    def with_ranks(self, ranks_per_node: int) -> "HardwareSpec":
+    def with_ranks(self, ranks_per_node: int) -> HardwareSpec:
         """The same kind with another rank count per node; for ``cpu`` the OS memory is re-split."""
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
@@ -94,44 +94,83 @@ def register_hardware(spec: HardwareSpec) -> HardwareSpec:
 
 for _spec in (
     HardwareSpec(
-        name="trn1.32xlarge", ranks_per_node=32, memory_per_rank=16 * GiB, peak_flops_per_rank=95e12,
-        intra_node_bw=384 * GiB / 2, inter_node_bw=800e9 / 8, device="neuron", efficiency=0.40,
-        reserved_bytes=1 * GiB, planning_only=True,
+        name="trn1.32xlarge",
+        ranks_per_node=32,
+        memory_per_rank=16 * GiB,
+        peak_flops_per_rank=95e12,
+        intra_node_bw=384 * GiB / 2,
+        inter_node_bw=800e9 / 8,
+        device="neuron",
+        efficiency=0.40,
+        reserved_bytes=1 * GiB,
+        planning_only=True,
         source="FACTS.md (190 TFLOP/s, 32 GiB per chip, 2 cores); AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
-               "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
+        "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
     ),
     HardwareSpec(
-        name="trn2.48xlarge", ranks_per_node=64, memory_per_rank=24 * GiB, peak_flops_per_rank=667e12 / 4,
-        intra_node_bw=1e12 / 4, inter_node_bw=3.2e12 / 8, device="neuron", efficiency=0.40,
+        name="trn2.48xlarge",
+        ranks_per_node=64,
+        memory_per_rank=24 * GiB,
+        peak_flops_per_rank=667e12 / 4,
+        intra_node_bw=1e12 / 4,
+        inter_node_bw=3.2e12 / 8,
+        device="neuron",
+        efficiency=0.40,
         reserved_bytes=1 * GiB,
         source="FACTS.md (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); AWS trn2-arch (NeuronLink-v3, "
-               "EFAv3 3.2 Tbps)",
+        "EFAv3 3.2 Tbps)",
     ),
     HardwareSpec(
-        name="trn3", ranks_per_node=64, memory_per_rank=36 * GiB, peak_flops_per_rank=671e12 / 4,
-        intra_node_bw=2.56e12 / 4, inter_node_bw=3.2e12 / 8, device="neuron", efficiency=0.40,
+        name="trn3",
+        ranks_per_node=64,
+        memory_per_rank=36 * GiB,
+        peak_flops_per_rank=671e12 / 4,
+        intra_node_bw=2.56e12 / 4,
+        inter_node_bw=3.2e12 / 8,
+        device="neuron",
+        efficiency=0.40,
         reserved_bytes=1 * GiB,
         source="FACTS.md (671 TFLOP/s, 144 GiB per chip); AWS trainium3 page (8 NeuronCore-v4 per chip, so 4 "
-               "ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
+        "ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
     ),
     # NVIDIA: H100 SXM / H200 peaks and memory from FACTS. NVLink 4 is 900 GB/s bidirectional per
     # GPU (450 GB/s each way, NVIDIA H100 datasheet); p5.48xlarge and p5en.48xlarge have 3200 Gbps
     # of EFA (AWS EC2 P5 page). efficiency 0.55: FACTS gives 39-48% MFU end to end (torchtitan,
     # Megatron, LLM Foundry), so the matmuls alone must run somewhat above that.
     HardwareSpec(
-        name="p5.48xlarge", ranks_per_node=8, memory_per_rank=80 * GB, peak_flops_per_rank=989e12,
-        intra_node_bw=450e9, inter_node_bw=3.2e12 / 8, device="cuda", efficiency=0.55, reserved_bytes=2 * GiB,
+        name="p5.48xlarge",
+        ranks_per_node=8,
+        memory_per_rank=80 * GB,
+        peak_flops_per_rank=989e12,
+        intra_node_bw=450e9,
+        inter_node_bw=3.2e12 / 8,
+        device="cuda",
+        efficiency=0.55,
+        reserved_bytes=2 * GiB,
         source="FACTS.md (H100 SXM 989 TFLOP/s, 80 GB); NVIDIA H100 datasheet (NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
     ),
     HardwareSpec(
-        name="h200x8", ranks_per_node=8, memory_per_rank=141 * GB, peak_flops_per_rank=989e12,
-        intra_node_bw=450e9, inter_node_bw=3.2e12 / 8, device="cuda", efficiency=0.55, reserved_bytes=2 * GiB,
+        name="h200x8",
+        ranks_per_node=8,
+        memory_per_rank=141 * GB,
+        peak_flops_per_rank=989e12,
+        intra_node_bw=450e9,
+        inter_node_bw=3.2e12 / 8,
+        device="cuda",
+        efficiency=0.55,
+        reserved_bytes=2 * GiB,
         source="FACTS.md (H200 989 TFLOP/s, 141 GB); NVIDIA H200 datasheet (NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
     ),
 ):
     register_hardware(_spec)
-_ALIASES = {"trn1": "trn1.32xlarge", "trn2": "trn2.48xlarge", "p5": "p5.48xlarge", "h100x8": "p5.48xlarge",
-            "p5en.48xlarge": "h200x8", "h200": "h200x8"}
+_ALIASES = {
+    "trn1": "trn1.32xlarge",
+    "trn2": "trn2.48xlarge",
+    "p5": "p5.48xlarge",
+    "h100x8": "p5.48xlarge",
+    "p5en.48xlarge": "h200x8",
+    "h200": "h200x8",
+}
 
 
 def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
@@ -147,8 +186,16 @@ def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
     except (ValueError, OSError, AttributeError):
         total = 8 * GiB  # no sysconf (non-POSIX): a conservative guess
     return HardwareSpec(
-        name="cpu", ranks_per_node=ranks, memory_per_rank=total // ranks, peak_flops_per_rank=2.5e9 * 32 * cores / ranks,
-        intra_node_bw=2e9, inter_node_bw=1.25e9, device="cpu", efficiency=0.5, reserved_bytes=0, allocator_margin=0.0,
+        name="cpu",
+        ranks_per_node=ranks,
+        memory_per_rank=total // ranks,
+        peak_flops_per_rank=2.5e9 * 32 * cores / ranks,
+        intra_node_bw=2e9,
+        inter_node_bw=1.25e9,
+        device="cpu",
+        efficiency=0.5,
+        reserved_bytes=0,
+        allocator_margin=0.0,
         source="this machine: os.cpu_count() ranks, physical memory from sysconf; nominal AVX2 peak",
     )
 
@@ -217,7 +264,9 @@ def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) ->
         if name not in _CATALOG and name in _yaml_kinds():
             load_hardware(_yaml_kinds()[name])
         if name not in _CATALOG:
-            raise ValueError(f"unknown hardware {kind!r}; use one of {hardware_names()} or a YAML file "
-                             "(see neuron_parallel.hardware.load_hardware)")
+            raise ValueError(
+                f"unknown hardware {kind!r}; use one of {hardware_names()} or a YAML file "
+                "(see neuron_parallel.hardware.load_hardware)"
+            )
         spec = _CATALOG[name]
     return spec.with_ranks(ranks_per_node) if ranks_per_node else spec

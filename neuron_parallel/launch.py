@@ -168,8 +168,10 @@ def join(path: str | Path, *, timeout_s: float = 6 * 3600, poll_s: float = 2.0, 
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no launch appeared at {path} within {timeout_s:.0f} s; is the first node running "
-                               f"the flow, and is {path.parent} on a file system both nodes share?")
+            raise TimeoutError(
+                f"no launch appeared at {path} within {timeout_s:.0f} s; is the first node running "
+                f"the flow, and is {path.parent} on a file system both nodes share?"
+            )
         time.sleep(poll_s)
     data = json.loads(path.read_text())
     return run_torchrun(JobConfig.from_dict(data["job"]), LaunchConfig(**data["launch"]), **kwargs)

@@ -99,7 +99,7 @@ class ModelShape:
     name: str = ""
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config) -> ModelShape:
         """From a config.json path (or its directory), a dict, or a ``PretrainedConfig``; weights
         are never read."""
         if isinstance(config, ModelShape):
@@ -111,27 +111,43 @@ class ModelShape:
                 raise ValueError(f"no config.json at {config}; pass a model directory, its config.json or a dict")
             name, config = str(config), json.loads(path.read_text())
         else:
-            name = getattr(config, "name_or_path", "") if not isinstance(config, dict) else config.get("_name_or_path", "")
+            name = (
+                getattr(config, "name_or_path", "") if not isinstance(config, dict) else config.get("_name_or_path", "")
+            )
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                               "vocab_size") if get(k) is None]
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+            if get(k) is None
+        ]
         if missing:
             raise ValueError(f"model config lacks {missing}; the planner needs a Llama-family config.json")
         heads = get("num_attention_heads")
         return cls(
-            hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"), num_heads=heads,
-            num_kv_heads=get("num_key_value_heads") or heads, intermediate_size=get("intermediate_size"),
-            vocab_size=get("vocab_size"), head_dim=get("head_dim") or get("hidden_size") // heads,
+            hidden_size=get("hidden_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            intermediate_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"),
+            head_dim=get("head_dim") or get("hidden_size") // heads,
             # Llama, Mistral and Qwen configs default to untied when the key is absent.
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)), name=str(name or ""),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            name=str(name or ""),
         )
 
     def as_config(self) -> SimpleNamespace:
         """Attribute view with Hugging Face names (for ``neuron_parallel.plan.count_parameters``)."""
-        return SimpleNamespace(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-                               num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                               intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-                               head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings)
+        return SimpleNamespace(
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            head_dim=self.head_dim,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
 
     @property
     def layer_params(self) -> int:
@@ -160,8 +176,17 @@ def stage_params(shape: ModelShape, tp: int, n_layers: int, first: bool, last: b
     ``CausalLMStage.named_parameters`` (embedding, layers, final norm, lm_head)."""
     h, d, i, V = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * d // tp, local_kv_heads(shape.num_kv_heads, tp) * d
-    layer = [(q * h, True), (kv * h, True), (kv * h, True), (h * q, True),
-             (i // tp * h, True), (i // tp * h, True), (h * i // tp, True), (h, False), (h, False)]
+    layer = [
+        (q * h, True),
+        (kv * h, True),
+        (kv * h, True),
+        (h * q, True),
+        (i // tp * h, True),
+        (i // tp * h, True),
+        (h * i // tp, True),
+        (h, False),
+        (h, False),
+    ]
     out = [(V // tp * h, True)] if first else []
     out += layer * n_layers
     if last:
@@ -276,10 +301,26 @@ def inflight_chunks(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> in
     raise ValueError(f"no memory model for pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
 
 
-def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, sp: bool, recompute: int,
-                 micro_batch: int, seq_len: int, num_microbatches: int, grad_accum: int, schedule: str,
-                 virtual_stages: int, precision: str, pp_rank: int, layers: list[int], dp_rank: int | None = None,
-                 ) -> StageMemory:
+def stage_memory(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero_1: bool,
+    sp: bool,
+    recompute: int,
+    micro_batch: int,
+    seq_len: int,
+    num_microbatches: int,
+    grad_accum: int,
+    schedule: str,
+    virtual_stages: int,
+    precision: str,
+    pp_rank: int,
+    layers: list[int],
+    dp_rank: int | None = None,
+) -> StageMemory:
     """Peak tensor bytes on pp rank ``pp_rank`` (dp rank ``dp_rank``; default the most loaded).
 
     ``micro_batch`` is the pipeline microbatch (sequences per stage forward), ``layers`` the
@@ -338,21 +379,41 @@ def stage_memory(shape: ModelShape, *, tp: int, pp: int, dp: int, zero_1: bool, 
     all_grads = numel * st.grad
     head_grads = (shape.vocab_size // tp * h + h) * st.grad if last else 0
     phases = []
-    for n_live, grads, label in ((live, all_grads if grad_accum > 1 else head_grads, "backward"),
-                                 (live_after, all_grads, "backward-later")):
+    for n_live, grads, label in (
+        (live, all_grads if grad_accum > 1 else head_grads, "backward"),
+        (live_after, all_grads, "backward-later"),
+    ):
         if label == "backward-later" and (pp == 1 or n_live < 1):
             continue
         acts, loss, pipe = held(n_live)
-        phases.append(StageMemory(**states, grads=grads, activations=acts, loss=loss, pipeline_buffers=pipe,
-                                  transient=max(0.0, layer_work - (loss_now if last else 0)), phase=label))
+        phases.append(
+            StageMemory(
+                **states,
+                grads=grads,
+                activations=acts,
+                loss=loss,
+                pipeline_buffers=pipe,
+                transient=max(0.0, layer_work - (loss_now if last else 0)),
+                phase=label,
+            )
+        )
     pipe = held(0)[2]
     # end of backward: nearly all grads, the first layer's saved tensors and its backward's work
-    phases.append(StageMemory(**states, grads=all_grads, activations=tokens * per_layer * (not recompute),
-                              pipeline_buffers=pipe, transient=layer_work, phase="backward-end"))
+    phases.append(
+        StageMemory(
+            **states,
+            grads=all_grads,
+            activations=tokens * per_layer * (not recompute),
+            pipeline_buffers=pipe,
+            transient=layer_work,
+            phase="backward-end",
+        )
+    )
     bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
     opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
-    phases.append(StageMemory(**states, grads=all_grads, pipeline_buffers=pipe, comm_buffers=max(bucket, opt_tmp),
-                              phase="step"))
+    phases.append(
+        StageMemory(**states, grads=all_grads, pipeline_buffers=pipe, comm_buffers=max(bucket, opt_tmp), phase="step")
+    )
     return max(phases, key=lambda mem: mem.total)
 
 
@@ -373,10 +434,21 @@ def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     dp_rank, rest = divmod(rank, pc.pp * pc.tp)
     m = pc.num_microbatches if pc.pp > 1 else 1
     return stage_memory(
-        shape, tp=pc.tp, pp=pc.pp, dp=pc.dp, zero_1=pc.zero_1, sp=pc.sequence_parallel,
-        recompute=pc.activation_checkpointing, micro_batch=job.train.micro_batch_size // m, seq_len=job.block_size,
-        num_microbatches=m, grad_accum=job.train.grad_accum, schedule=pc.pipeline_schedule,
-        virtual_stages=pc.virtual_stages, precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
-        pp_rank=rest // pc.tp, layers=pc.layer_split or even_layer_split(shape.num_layers, pc.num_stages),
+        shape,
+        tp=pc.tp,
+        pp=pc.pp,
+        dp=pc.dp,
+        zero_1=pc.zero_1,
+        sp=pc.sequence_parallel,
+        recompute=pc.activation_checkpointing,
+        micro_batch=job.train.micro_batch_size // m,
+        seq_len=job.block_size,
+        num_microbatches=m,
+        grad_accum=job.train.grad_accum,
+        schedule=pc.pipeline_schedule,
+        virtual_stages=pc.virtual_stages,
+        precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
+        pp_rank=rest // pc.tp,
+        layers=pc.layer_split or even_layer_split(shape.num_layers, pc.num_stages),
         dp_rank=dp_rank,
     )

@@ -48,7 +48,7 @@ class TensorMemoryProfile:
         self.events: list[tuple[int, int]] = []
         self.ranges: list[tuple[int, int, str]] = []
 
-    def __enter__(self) -> "TensorMemoryProfile":
+    def __enter__(self) -> TensorMemoryProfile:
         track_all_threads()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
@@ -84,7 +84,7 @@ def _allocations(prof) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
             out.append((node.start_time_ns, node.extra_fields.total_allocated))
         elif node.name.startswith(PHASE_PREFIX):
-            ranges.append((node.start_time_ns, node.end_time_ns, node.name[len(PHASE_PREFIX):]))
+            ranges.append((node.start_time_ns, node.end_time_ns, node.name[len(PHASE_PREFIX) :]))
     return sorted(out), sorted(ranges)
 
 
@@ -106,6 +106,8 @@ def check_method() -> int:
     peak, last = probe.peak()["peak"], probe.events[-1][1]
     del keep
     if peak != 150_000_000 or last != 1_000_000:
-        raise RuntimeError(f"tensor memory measurement reads peak {peak} and final {last} bytes on a pattern of "
-                           "150 000 000 and 1 000 000; it is not trustworthy with this torch build")
+        raise RuntimeError(
+            f"tensor memory measurement reads peak {peak} and final {last} bytes on a pattern of "
+            "150 000 000 and 1 000 000; it is not trustworthy with this torch build"
+        )
     return peak

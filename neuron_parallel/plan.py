@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
 from .config import JobConfig, ParallelConfig
 from .models.causal_lm import load_config, split_layers
 
@@ -52,9 +53,7 @@ def check_plan(job: JobConfig) -> Plan:
     heads, kv, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
     if heads % pc.tp:
         ok = [t for t in _divisors(heads) if t <= pc.world_size]
-        raise ValueError(
-            f"tp={pc.tp} does not divide the model's {heads} attention heads; use tp in {ok}"
-        )
+        raise ValueError(f"tp={pc.tp} does not divide the model's {heads} attention heads; use tp in {ok}")
     if pc.tp > kv and pc.tp % kv:
         raise ValueError(
             f"tp={pc.tp} exceeds the model's {kv} KV heads and is not a multiple of it, so KV heads cannot be "

@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .hardware import HardwareSpec, get_hardware
-from .memory import GiB, STATES, ModelShape, even_layer_split, model_states_bytes, stage_memory
+from .memory import STATES, GiB, ModelShape, even_layer_split, model_states_bytes, stage_memory
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -76,9 +76,15 @@ class Candidate:
         from .config import ParallelConfig
 
         return ParallelConfig(
-            tp=self.tp, pp=self.pp, dp=self.dp, zero_1=self.zero_1, sequence_parallel=self.sequence_parallel,
-            num_microbatches=self.num_microbatches, pipeline_schedule=self.pipeline_schedule,
-            virtual_stages=self.virtual_stages, activation_checkpointing=self.activation_checkpointing,
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            zero_1=self.zero_1,
+            sequence_parallel=self.sequence_parallel,
+            num_microbatches=self.num_microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            virtual_stages=self.virtual_stages,
+            activation_checkpointing=self.activation_checkpointing,
             mixed_precision="fp32" if self.precision == "fp32" else "bf16",
         )
 
@@ -87,7 +93,11 @@ class Candidate:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        parts += ["zero1"] * self.zero_1 + ["sp"] * self.sequence_parallel + ["recompute"] * bool(self.activation_checkpointing)
+        parts += (
+            ["zero1"] * self.zero_1
+            + ["sp"] * self.sequence_parallel
+            + ["recompute"] * bool(self.activation_checkpointing)
+        )
         if self.pp > 1:
             parts.append(f"{self.pipeline_schedule}×{self.num_microbatches}")
         return " ".join(parts) + f" mbs={self.micro_batch_size} accum={self.grad_accum}"
@@ -121,9 +131,15 @@ class PlanReport:
 
     def to_dict(self) -> dict:
         return {
-            "feasible": self.feasible, "reason": self.reason, "model": dataclasses.asdict(self.model),
-            "hardware": dataclasses.asdict(self.hardware), "nodes": self.nodes, "world_size": self.world_size,
-            "seq_len": self.seq_len, "global_batch": self.global_batch, "precision": self.precision,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "model": dataclasses.asdict(self.model),
+            "hardware": dataclasses.asdict(self.hardware),
+            "nodes": self.nodes,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "precision": self.precision,
             "plans": [c.as_dict() for c in self.plans],
         }
 
@@ -132,8 +148,10 @@ def _tp_problems(shape: ModelShape, tp: int, hw: HardwareSpec, seq_len: int) -> 
     """Why ``tp`` cannot split this model on this hardware (empty when it can)."""
     out = []
     if tp > hw.ranks_per_node or hw.ranks_per_node % tp:
-        out.append(f"tp={tp} does not fit within a {hw.name} node of {hw.ranks_per_node} ranks (TP needs the "
-                   f"node's links); use tp dividing {hw.ranks_per_node}")
+        out.append(
+            f"tp={tp} does not fit within a {hw.name} node of {hw.ranks_per_node} ranks (TP needs the "
+            f"node's links); use tp dividing {hw.ranks_per_node}"
+        )
     if shape.num_heads % tp:
         out.append(f"tp={tp} does not divide the {shape.num_heads} attention heads")
     kv = shape.num_kv_heads
@@ -227,18 +245,35 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
 
 def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, global_batch: int) -> None:
     layers = even_layer_split(shape.num_layers, c.pp * c.virtual_stages)
-    kw = dict(tp=c.tp, pp=c.pp, dp=c.dp, zero_1=c.zero_1, sp=c.sequence_parallel, recompute=c.activation_checkpointing,
-              micro_batch=c.micro_batch_size // c.num_microbatches, seq_len=seq_len, num_microbatches=c.num_microbatches,
-              grad_accum=c.grad_accum, schedule=c.pipeline_schedule, virtual_stages=c.virtual_stages,
-              precision=c.precision, layers=layers)
+    kw = dict(
+        tp=c.tp,
+        pp=c.pp,
+        dp=c.dp,
+        zero_1=c.zero_1,
+        sp=c.sequence_parallel,
+        recompute=c.activation_checkpointing,
+        micro_batch=c.micro_batch_size // c.num_microbatches,
+        seq_len=seq_len,
+        num_microbatches=c.num_microbatches,
+        grad_accum=c.grad_accum,
+        schedule=c.pipeline_schedule,
+        virtual_stages=c.virtual_stages,
+        precision=c.precision,
+        layers=layers,
+    )
     # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
     # loss; the ranks between hold no more than rank 0
     worst = max((stage_memory(shape, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
     tensors = worst.total
     margin = tensors * hw.allocator_margin
     total = tensors + margin + hw.reserved_bytes
-    c.memory = {**worst.as_dict(), "tensors": int(tensors), "allocator_margin": int(margin),
-                "runtime_reserved": hw.reserved_bytes, "total": int(total)}
+    c.memory = {
+        **worst.as_dict(),
+        "tensors": int(tensors),
+        "allocator_margin": int(margin),
+        "runtime_reserved": hw.reserved_bytes,
+        "total": int(total),
+    }
     c.memory_per_rank_bytes = int(total)
     c.fits = total <= hw.memory_per_rank
     c.time = step_time(shape, hw, c, seq_len, layers)
@@ -249,13 +284,22 @@ def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, g
     if c.tp > shape.num_kv_heads:
         c.notes.append(f"KV heads replicated {c.tp // shape.num_kv_heads}x (tp={c.tp} > {shape.num_kv_heads} KV heads)")
     if not c.fits:
-        big = max(("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers"), key=lambda k: worst.as_dict()[k])
+        big = max(
+            ("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers"),
+            key=lambda k: worst.as_dict()[k],
+        )
         if big in ("activations", "loss", "pipeline_buffers"):
             hint = "recompute, sequence parallelism, a smaller micro batch or fewer microbatches in flight"
         else:
-            hint = "more model parallelism (tp × pp)" + (", ZeRO-1" if c.dp > 1 and not c.zero_1 else "") + " or more nodes"
-        c.reason = (f"needs {total / GiB:.1f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
-                    f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB; try {hint}")
+            hint = (
+                "more model parallelism (tp × pp)"
+                + (", ZeRO-1" if c.dp > 1 and not c.zero_1 else "")
+                + " or more nodes"
+            )
+        c.reason = (
+            f"needs {total / GiB:.1f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
+            f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB; try {hint}"
+        )
 
 
 def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) -> int | None:
@@ -271,12 +315,29 @@ def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) 
     return None
 
 
-FIXABLE = ("tp", "pp", "zero_1", "sequence_parallel", "num_microbatches", "pipeline_schedule", "virtual_stages",
-           "activation_checkpointing")
+FIXABLE = (
+    "tp",
+    "pp",
+    "zero_1",
+    "sequence_parallel",
+    "num_microbatches",
+    "pipeline_schedule",
+    "virtual_stages",
+    "activation_checkpointing",
+)
 
 
-def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len: int, global_batch: int,
-         precision: str = "bf16", ranks_per_node: int | None = None, fixed: dict | None = None) -> PlanReport:
+def plan(
+    model_config,
+    hardware: str | HardwareSpec,
+    *,
+    nodes: int = 1,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    ranks_per_node: int | None = None,
+    fixed: dict | None = None,
+) -> PlanReport:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
     read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
@@ -290,8 +351,10 @@ def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len:
     if unknown:
         raise ValueError(f"cannot pin {unknown}; the planner's fields are {', '.join(FIXABLE)}")
     if fixed.get("pipeline_schedule") == "zbv":
-        raise ValueError("the planner has no model of the zbv schedule; pin pipeline_schedule to 1f1b, "
-                         "interleaved_1f1b or gpipe, or give the whole layout explicitly")
+        raise ValueError(
+            "the planner has no model of the zbv schedule; pin pipeline_schedule to 1f1b, "
+            "interleaved_1f1b or gpipe, or give the whole layout explicitly"
+        )
     if precision not in STATES:
         raise ValueError(f"precision={precision!r} is not one of {sorted(STATES)}")
     if nodes < 1 or seq_len < 1 or global_batch < 1:
@@ -314,34 +377,65 @@ def plan(model_config, hardware: str | HardwareSpec, *, nodes: int = 1, seq_len:
             if global_batch % dp:
                 why.append(f"global batch {global_batch} is not divisible by dp={dp}")
             elif pp > 1 and global_batch // dp < pp:
-                why.append(f"{global_batch // dp} sequences per dp rank cannot fill pp={pp} stages (1F1B needs "
-                           f"num_microbatches >= pp); raise the global batch to {pp * dp} or lower pp")
+                why.append(
+                    f"{global_batch // dp} sequences per dp rank cannot fill pp={pp} stages (1F1B needs "
+                    f"num_microbatches >= pp); raise the global batch to {pp * dp} or lower pp"
+                )
             if why:
                 out.append(Candidate(tp=tp, pp=pp, dp=dp, precision=precision, valid=False, reason="; ".join(why)))
                 continue
             for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, dp, global_batch // dp, seq_len, fixed):
-                c = Candidate(tp=tp, pp=pp, dp=dp, zero_1=zero, sequence_parallel=sp, num_microbatches=m,
-                              pipeline_schedule=sched, virtual_stages=v, activation_checkpointing=ac,
-                              micro_batch_size=m * b, grad_accum=accum, precision=precision)
+                c = Candidate(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    zero_1=zero,
+                    sequence_parallel=sp,
+                    num_microbatches=m,
+                    pipeline_schedule=sched,
+                    virtual_stages=v,
+                    activation_checkpointing=ac,
+                    micro_batch_size=m * b,
+                    grad_accum=accum,
+                    precision=precision,
+                )
                 _evaluate(shape, hw, c, seq_len, global_batch)
                 out.append(c)
     # Equal predicted speed (to 3 digits) prefers the larger microbatch: the model has no
     # per-kernel overheads, which favour fewer, larger matmuls in practice.
-    out.sort(key=lambda c: (not c.fits, not c.valid, -float(f"{c.tokens_per_s or 0:.3g}") if c.fits else 0,
-                            -(c.micro_batch_size // c.num_microbatches) if c.fits else 0, c.memory_per_rank_bytes or 0))
-    report = PlanReport(model=shape, hardware=hw, nodes=nodes, seq_len=seq_len, global_batch=global_batch,
-                        precision=precision, plans=out)
+    out.sort(
+        key=lambda c: (
+            not c.fits,
+            not c.valid,
+            -float(f"{c.tokens_per_s or 0:.3g}") if c.fits else 0,
+            -(c.micro_batch_size // c.num_microbatches) if c.fits else 0,
+            c.memory_per_rank_bytes or 0,
+        )
+    )
+    report = PlanReport(
+        model=shape,
+        hardware=hw,
+        nodes=nodes,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        precision=precision,
+        plans=out,
+    )
     if not report.feasible:
         valid = [c for c in out if c.valid]
         if not out:
-            report.reason = (f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
-                             "sequence_parallel needs tp > 1; unpin a field (set it to auto)")
+            report.reason = (
+                f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
+                "sequence_parallel needs tp > 1; unpin a field (set it to auto)"
+            )
         elif not valid:
             report.reason = f"no split of {world} ranks suits this model and batch: {out[0].reason}"
         else:
             least = min(valid, key=lambda c: c.memory_per_rank_bytes)
-            report.reason = (f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
-                             f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB")
+            report.reason = (
+                f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
+                f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB"
+            )
             n = _min_nodes(shape, hw, precision, nodes)
             if n and n > nodes:
                 report.reason += f"; the model states alone need at least {n} nodes of {hw.name}"
@@ -353,16 +447,20 @@ def format_table(report: PlanReport, limit: int = 10) -> str:
     hw = report.hardware
     n = report.model.num_parameters
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    lines = [f"{report.model.name or 'model'}: {size} params on {report.nodes} × "
-             f"{hw.name} ({report.world_size} ranks, {hw.memory_per_rank / GiB:.1f} GiB each), seq {report.seq_len}, "
-             f"global batch {report.global_batch}, {report.precision}"]
+    lines = [
+        f"{report.model.name or 'model'}: {size} params on {report.nodes} × "
+        f"{hw.name} ({report.world_size} ranks, {hw.memory_per_rank / GiB:.1f} GiB each), seq {report.seq_len}, "
+        f"global batch {report.global_batch}, {report.precision}"
+    ]
     if hw.planning_only:
         lines.append(f"note: {hw.name} is for planning only ({hw.source})")
     fitting = [c for c in report.plans if c.fits][:limit]
     lines.append(f"{'layout':58s} {'GiB/rank':>8s} {'tokens/s':>10s} {'MFU':>5s}")
     for c in fitting:
-        lines.append(f"{c.describe():58s} {c.memory_per_rank_bytes / GiB:8.2f} {c.tokens_per_s:10.0f} {c.mfu:5.1%}"
-                     + (f"  ({'; '.join(c.notes)})" if c.notes else ""))
+        lines.append(
+            f"{c.describe():58s} {c.memory_per_rank_bytes / GiB:8.2f} {c.tokens_per_s:10.0f} {c.mfu:5.1%}"
+            + (f"  ({'; '.join(c.notes)})" if c.notes else "")
+        )
     rejected = [c for c in report.plans if not c.fits]
     if rejected:
         lines.append(f"rejected {len(rejected)} of {len(report.plans)}, e.g.:")

@@ -97,8 +97,9 @@ def _run(job: JobConfig, dims: ParallelDims, device, rank: int, run_dir: Path, p
         _truncate_metrics(metrics_path, start_step)
     emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **_layout(job))
 
-    writer = CheckpointWriter(run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints,
-                              async_save=tc.async_save)
+    writer = CheckpointWriter(
+        run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints, async_save=tc.async_save
+    )
     _train_steps(job, engine, stream, dims, device, writer, start_step, rank, metrics_path, probe)
 
 
@@ -143,7 +144,13 @@ def _train_steps(job, engine, stream, dims, device, writer, start_step, rank, me
             t_save = time.perf_counter()
             with _phase(probe, "save"):
                 path = _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record)
-            emit("checkpoint", step=step, path=str(path), blocked_s=time.perf_counter() - t_save, async_save=tc.async_save)
+            emit(
+                "checkpoint",
+                step=step,
+                path=str(path),
+                blocked_s=time.perf_counter() - t_save,
+                async_save=tc.async_save,
+            )
             if fail_after and step == fail_after:  # a run resumed past it does not fail again
                 writer.wait()
                 dist.barrier()
@@ -165,7 +172,9 @@ def _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record)
             "samples_seen": step * G,
             "global_batch_size": G,
             "lr": lr,
-            "lr_schedule": {k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")},
+            "lr_schedule": {
+                k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
+            },
             "seed": tc.seed,
             "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
             "metrics": record,
@@ -205,15 +214,21 @@ class _MemoryProbe:
         """Gather every rank's measurement next to the planner's prediction; rank 0 writes
         ``memory.json`` and emits a ``memory`` event."""
         predicted = job_rank_memory(ModelShape.from_config(job.model_path), job, rank)
-        mine = {"rank": rank, "measured_bytes": int(self.measured["peak"]), "phase": self.measured["phase"],
-                "predicted_bytes": int(predicted.total), "predicted": {k: int(v) if isinstance(v, float | int) else v
-                                                                  for k, v in predicted.as_dict().items()}}
+        mine = {
+            "rank": rank,
+            "measured_bytes": int(self.measured["peak"]),
+            "phase": self.measured["phase"],
+            "predicted_bytes": int(predicted.total),
+            "predicted": {k: int(v) if isinstance(v, float | int) else v for k, v in predicted.as_dict().items()},
+        }
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if rank == 0:
             (run_dir / "memory.json").write_text(json.dumps(everyone, indent=1))
-            emit("memory", ranks=[{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")}
-                                  for r in everyone])
+            emit(
+                "memory",
+                ranks=[{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")} for r in everyone],
+            )
 
 
 def _layout(job: JobConfig) -> dict:

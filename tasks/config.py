@@ -54,14 +54,24 @@ class ParallelSection(_Section):
     num_microbatches: Positive | Auto = Field(AUTO, description="Pipeline microbatches per micro-batch (pp > 1).")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "auto"] = AUTO
     virtual_stages: Positive | Auto = Field(AUTO, description="Model chunks per pipeline rank (interleaved schedules).")
-    layer_split: list[int] | None = Field(None, description="Decoder layers per stage; default even (needs a fixed pp).")
+    layer_split: list[int] | None = Field(
+        None, description="Decoder layers per stage; default even (needs a fixed pp)."
+    )
     activation_checkpointing: NonNegative | Auto = Field(AUTO, description="Recompute every k-th layer; 0 = off.")
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
 
     def fixed(self) -> dict[str, Any]:
         """The layout fields that are set (not ``auto``)."""
-        names = ("tp", "pp", "zero_1", "sequence_parallel", "num_microbatches", "pipeline_schedule",
-                 "virtual_stages", "activation_checkpointing")
+        names = (
+            "tp",
+            "pp",
+            "zero_1",
+            "sequence_parallel",
+            "num_microbatches",
+            "pipeline_schedule",
+            "virtual_stages",
+            "activation_checkpointing",
+        )
         fixed = {n: getattr(self, n) for n in names if getattr(self, n) != AUTO}
         if self.layer_split is not None and self.pp != AUTO and self.virtual_stages == AUTO:
             fixed["virtual_stages"] = max(1, len(self.layer_split) // self.pp)  # one count per stage
@@ -69,23 +79,41 @@ class ParallelSection(_Section):
 
     @property
     def is_auto(self) -> bool:
-        return AUTO in (self.tp, self.pp, self.zero_1, self.sequence_parallel, self.num_microbatches,
-                        self.pipeline_schedule, self.virtual_stages, self.activation_checkpointing)
+        return AUTO in (
+            self.tp,
+            self.pp,
+            self.zero_1,
+            self.sequence_parallel,
+            self.num_microbatches,
+            self.pipeline_schedule,
+            self.virtual_stages,
+            self.activation_checkpointing,
+        )
 
 
 class TrainSection(_Section):
     max_steps: int = Field(100, ge=1)
     save_every: int = Field(50, ge=0, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, ge=0, description="Keep the newest K complete checkpoints; 0 = all.")
-    async_save: bool = Field(False, description="Write checkpoints in the background; training waits only for the host copy.")
+    async_save: bool = Field(
+        False, description="Write checkpoints in the background; training waits only for the host copy."
+    )
     seed: int = 0
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per data-parallel rank per micro-batch "
-                                  "(chosen by the planner when the layout is auto).")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (chosen by the planner when "
-                            "the layout is auto).")
-    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step. Default "
-                                          "micro_batch_size × grad_accum × data-parallel ranks; with an auto "
-                                          "layout, micro_batch_size × grad_accum × all ranks.")
+    micro_batch_size: int = Field(
+        4,
+        ge=1,
+        description="Sequences per data-parallel rank per micro-batch (chosen by the planner when the layout is auto).",
+    )
+    grad_accum: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step (chosen by the planner when the layout is auto)."
+    )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step. Default "
+        "micro_batch_size × grad_accum × data-parallel ranks; with an auto "
+        "layout, micro_batch_size × grad_accum × all ranks.",
+    )
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
@@ -95,29 +123,43 @@ class TrainSection(_Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     log_every: int = Field(1, ge=1)
     resume_from: str | None = Field(None, description="Continue another run's directory or checkpoint.")
-    profile_memory: bool = Field(False, description="Measure peak tensor memory per rank against the plan's "
-                                 "prediction (memory.json; slower steps on CPU).")
+    profile_memory: bool = Field(
+        False,
+        description="Measure peak tensor memory per rank against the plan's "
+        "prediction (memory.json; slower steps on CPU).",
+    )
 
 
 class LaunchSection(_Section):
     device: Literal["cpu", "cuda", "neuron"] = Field("cpu", description="cpu (gloo), cuda (nccl), neuron (neuron).")
     nproc_per_node: int = Field(1, ge=1, description="Ranks per node (64 on trn2.48xlarge).")
     nnodes: int = Field(1, ge=1)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous for multi-node runs "
-                                      "(default $NEURON_FLOWS_RDZV_ENDPOINT).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous for multi-node runs (default $NEURON_FLOWS_RDZV_ENDPOINT)."
+    )
     rdzv_id: str = "neuron-flows"
     omp_num_threads: int = Field(1, ge=1, description="OMP threads per rank.")
-    retries: int = Field(1, ge=0, description="Automatic retries of the train step within a run; each resumes "
-                         "from the newest complete checkpoint.")
-    hardware: str | None = Field(None, description="Hardware kind the planner plans for (neuron_parallel.hardware "
-                                 "catalog or a YAML file); default from device: cpu → cpu, cuda → p5.48xlarge, "
-                                 "neuron → trn2.48xlarge.")
+    retries: int = Field(
+        1,
+        ge=0,
+        description="Automatic retries of the train step within a run; each resumes "
+        "from the newest complete checkpoint.",
+    )
+    hardware: str | None = Field(
+        None,
+        description="Hardware kind the planner plans for (neuron_parallel.hardware "
+        "catalog or a YAML file); default from device: cpu → cpu, cuda → p5.48xlarge, "
+        "neuron → trn2.48xlarge.",
+    )
 
 
 class OutputSection(_Section):
-    dir: str = Field(".runs/{flow_run_name}", description="Run directory: metrics, checkpoints, consolidated model. "
-                     "{flow_run_name} and {flow_run_id} become the Prefect flow run's, so every run has its own "
-                     "directory and a retry of a run continues in it.")
+    dir: str = Field(
+        ".runs/{flow_run_name}",
+        description="Run directory: metrics, checkpoints, consolidated model. "
+        "{flow_run_name} and {flow_run_id} become the Prefect flow run's, so every run has its own "
+        "directory and a retry of a run continues in it.",
+    )
     consolidated_dir: str | None = Field(None, description="Default: <output.dir>/consolidated.")
     format: Literal["safetensors", "pytorch"] = "safetensors"
     max_shard_size: str = "5GB"
@@ -127,7 +169,9 @@ class HubSection(_Section):
     repo_id: str | None = Field(None, description="Hub repo to upload to; empty skips the upload.")
     endpoint: str | None = Field(None, description="Hub URL; default the public Hub (or HF_ENDPOINT).")
     private: bool = True
-    token_secret: str | None = Field(None, description="Name of a Prefect Secret block holding the token; else HF_TOKEN.")
+    token_secret: str | None = Field(
+        None, description="Name of a Prefect Secret block holding the token; else HF_TOKEN."
+    )
 
 
 class FinetuneConfig(_Section):
@@ -142,7 +186,7 @@ class FinetuneConfig(_Section):
     hub: HubSection = Field(default_factory=HubSection)
 
     @model_validator(mode="after")
-    def _check_split(self) -> "FinetuneConfig":
+    def _check_split(self) -> FinetuneConfig:
         """What can be checked without the model: raises ValueError naming the fix."""
         par, world = self.parallel, self.world_size
         if not par.is_auto:
@@ -158,14 +202,19 @@ class FinetuneConfig(_Section):
         if world % (tp * pp):
             ParallelConfig.for_world(world, tp=tp, pp=pp)  # raises, listing the splits that divide
         if par.sequence_parallel is True and par.tp == 1:
-            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp")
+            raise ValueError(
+                "parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp"
+            )
         if par.layer_split is not None and par.pp == AUTO:
-            raise ValueError("parallel.layer_split needs a fixed parallel.pp (one layer count per stage); set pp "
-                             "or drop layer_split")
+            raise ValueError(
+                "parallel.layer_split needs a fixed parallel.pp (one layer count per stage); set pp or drop layer_split"
+            )
         if par.pipeline_schedule == "zbv":
-            raise ValueError("the planner does not model pipeline_schedule=zbv; with zbv give the whole layout "
-                             "(tp, pp, zero_1, sequence_parallel, num_microbatches, virtual_stages=2, "
-                             "activation_checkpointing), or choose another schedule")
+            raise ValueError(
+                "the planner does not model pipeline_schedule=zbv; with zbv give the whole layout "
+                "(tp, pp, zero_1, sequence_parallel, num_microbatches, virtual_stages=2, "
+                "activation_checkpointing), or choose another schedule"
+            )
         return self
 
     @property
@@ -193,7 +242,7 @@ class FinetuneConfig(_Section):
     def hardware(self) -> str:
         return self.launch.hardware or DEVICE_HARDWARE[self.launch.device]
 
-    def for_run(self, name: str, run_id: str) -> "FinetuneConfig":
+    def for_run(self, name: str, run_id: str) -> FinetuneConfig:
         """This config with ``{flow_run_name}`` and ``{flow_run_id}`` in the output paths filled in."""
         out = self.output.model_copy()
         for key in ("dir", "consolidated_dir"):
@@ -245,7 +294,7 @@ class FinetuneConfig(_Section):
         )
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "FinetuneConfig":
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> FinetuneConfig:
         """Read a YAML file (or start from defaults) and apply ``dotted.key=value`` overrides."""
         data: dict[str, Any] = {}
         if path is not None:
@@ -318,19 +367,36 @@ def resolve_layout(config: FinetuneConfig, model_dir: str, dataset_path: str = "
         return check_plan(config.to_job(model_path=model_dir, dataset_path=dataset_path)), None
     precision = "fp32" if config.parallel.mixed_precision == "fp32" else "bf16_autocast"
     report = plan_layouts(
-        Path(model_dir) / "config.json", config.hardware, nodes=config.launch.nnodes, seq_len=config.data.block_size,
-        global_batch=config.global_batch_size, precision=precision, ranks_per_node=config.launch.nproc_per_node,
+        Path(model_dir) / "config.json",
+        config.hardware,
+        nodes=config.launch.nnodes,
+        seq_len=config.data.block_size,
+        global_batch=config.global_batch_size,
+        precision=precision,
+        ranks_per_node=config.launch.nproc_per_node,
         fixed=config.parallel.fixed(),
     )
     best = report.best
     if best is None:
         raise ValueError(f"no parallel layout fits: {report.reason}")
-    pc = dataclasses.replace(best.to_parallel_config(), mixed_precision=config.parallel.mixed_precision,
-                             layer_split=config.parallel.layer_split)  # replace() re-runs the checks
-    resolved = Plan(parallel=pc, world_size=pc.world_size, global_batch_size=config.global_batch_size,
-                    num_parameters=report.model.num_parameters, layers_per_stage=[],
-                    micro_batch_size=best.micro_batch_size, grad_accum=best.grad_accum)
+    pc = dataclasses.replace(
+        best.to_parallel_config(),
+        mixed_precision=config.parallel.mixed_precision,
+        layer_split=config.parallel.layer_split,
+    )  # replace() re-runs the checks
+    resolved = Plan(
+        parallel=pc,
+        world_size=pc.world_size,
+        global_batch_size=config.global_batch_size,
+        num_parameters=report.model.num_parameters,
+        layers_per_stage=[],
+        micro_batch_size=best.micro_batch_size,
+        grad_accum=best.grad_accum,
+    )
     checked = check_plan(config.to_job(model_path=model_dir, dataset_path=dataset_path, plan=resolved))
-    return dataclasses.replace(checked, predicted_memory_bytes=best.memory_per_rank_bytes,
-                               predicted_tokens_per_s=best.tokens_per_s,
-                               notes=checked.notes + [f"chosen by the planner for {config.hardware}: {best.describe()}"]), report
+    return dataclasses.replace(
+        checked,
+        predicted_memory_bytes=best.memory_per_rank_bytes,
+        predicted_tokens_per_s=best.tokens_per_s,
+        notes=checked.notes + [f"chosen by the planner for {config.hardware}: {best.describe()}"],
+    ), report

@@ -20,18 +20,31 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> Plan:
     result, report = resolve_layout(config, model_dir, dataset.path)
     pc = result.parallel
     chosen = {
-        "dp": pc.dp, "tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, "sequence_parallel": pc.sequence_parallel,
-        "num_microbatches": pc.num_microbatches, "pipeline_schedule": pc.pipeline_schedule,
-        "activation_checkpointing": pc.activation_checkpointing, "micro_batch_size": result.micro_batch_size,
-        "grad_accum": result.grad_accum, "global_batch_size": result.global_batch_size,
-        "parameters": result.num_parameters, "layers_per_stage": str(result.layers_per_stage),
+        "dp": pc.dp,
+        "tp": pc.tp,
+        "pp": pc.pp,
+        "zero_1": pc.zero_1,
+        "sequence_parallel": pc.sequence_parallel,
+        "num_microbatches": pc.num_microbatches,
+        "pipeline_schedule": pc.pipeline_schedule,
+        "activation_checkpointing": pc.activation_checkpointing,
+        "micro_batch_size": result.micro_batch_size,
+        "grad_accum": result.grad_accum,
+        "global_batch_size": result.global_batch_size,
+        "parameters": result.num_parameters,
+        "layers_per_stage": str(result.layers_per_stage),
     }
     if report is None:
         create_table_artifact(key="plan", table=[chosen], description="Parallel layout given in the config, checked")
     else:
-        create_table_artifact(key="plan", table=ranking_rows(report), description=(
-            f"Layouts of {report.world_size} {report.hardware.name} ranks, best first (rank 1 is used); "
-            f"fixed in the config: {config.parallel.fixed() or 'nothing'}"))
+        create_table_artifact(
+            key="plan",
+            table=ranking_rows(report),
+            description=(
+                f"Layouts of {report.world_size} {report.hardware.name} ranks, best first (rank 1 is used); "
+                f"fixed in the config: {config.parallel.fixed() or 'nothing'}"
+            ),
+        )
     log.info("plan: %s %s", chosen, "; ".join(result.notes))
     return result
 
@@ -46,10 +59,15 @@ def ranking_rows(report, limit: int = 25) -> list[dict]:
             seen.add((c.tp, c.pp))
             rejected.append(c)
     for i, c in enumerate(fitting + rejected[:limit]):
-        rows.append({
-            "rank": i + 1 if c.fits else "-", "layout": c.describe(), "fits": c.fits,
-            "GiB_per_rank": round(c.memory_per_rank_bytes / GiB, 3) if c.memory_per_rank_bytes else None,
-            "tokens_per_s": round(c.tokens_per_s) if c.tokens_per_s else None,
-            "mfu": round(c.mfu, 3) if c.mfu else None, "why_not": c.reason or "",
-        })
+        rows.append(
+            {
+                "rank": i + 1 if c.fits else "-",
+                "layout": c.describe(),
+                "fits": c.fits,
+                "GiB_per_rank": round(c.memory_per_rank_bytes / GiB, 3) if c.memory_per_rank_bytes else None,
+                "tokens_per_s": round(c.tokens_per_s) if c.tokens_per_s else None,
+                "mfu": round(c.mfu, 3) if c.mfu else None,
+                "why_not": c.reason or "",
+            }
+        )
     return rows

@@ -38,11 +38,20 @@ def loss_curve_png(metrics: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def summary_markdown(result: TrainResult, layout: Plan, checkpoint: str, model_dir: str, commit: HubCommit | None,
-                     metrics: list[dict], png: bytes) -> str:
+def summary_markdown(
+    result: TrainResult,
+    layout: Plan,
+    checkpoint: str,
+    model_dir: str,
+    commit: HubCommit | None,
+    metrics: list[dict],
+    png: bytes,
+) -> str:
     first, last = metrics[0], metrics[-1]
     pc = layout.parallel
-    hub = f"[{commit.url}]({commit.url}) (revision `{commit.revision}`)" if commit else "not uploaded (no `hub.repo_id`)"
+    hub = (
+        f"[{commit.url}]({commit.url}) (revision `{commit.revision}`)" if commit else "not uploaded (no `hub.repo_id`)"
+    )
     resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
     checkpoints = sorted(Path(result.run_dir).glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
     lines = [

@@ -21,7 +21,11 @@ def tokenize(config: FinetuneConfig) -> TokenizedDataset:
         split=config.data.split,
     )
     get_run_logger().info(
-        "tokenized %s: %d tokens, %d blocks of %d, fingerprint %s", config.data.source, ds.num_tokens,
-        ds.num_blocks, ds.block_size, ds.fingerprint,
+        "tokenized %s: %d tokens, %d blocks of %d, fingerprint %s",
+        config.data.source,
+        ds.num_tokens,
+        ds.num_blocks,
+        ds.block_size,
+        ds.fingerprint,
     )
     return ds

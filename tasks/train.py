@@ -26,15 +26,25 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> Trai
         kind = event["event"]
         if kind == "step":
             update_progress_artifact(progress, progress=100.0 * event["step"] / event["max_steps"])
-            log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", event["step"], event["max_steps"],
-                     event["loss"], event["lr"], event["tokens_per_s"])
+            log.info(
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s",
+                event["step"],
+                event["max_steps"],
+                event["loss"],
+                event["lr"],
+                event["tokens_per_s"],
+            )
         elif kind == "resumed":
             log.info("resumed from step %d (%s)", event["step"], event["checkpoint"])
         elif kind == "memory":
             for r in event["ranks"]:
-                log.info("rank %d peak tensor memory %.1f MiB, predicted %.1f MiB (%+.1f%%)", r["rank"],
-                         r["measured_bytes"] / 2**20, r["predicted_bytes"] / 2**20,
-                         100 * (r["predicted_bytes"] / r["measured_bytes"] - 1))
+                log.info(
+                    "rank %d peak tensor memory %.1f MiB, predicted %.1f MiB (%+.1f%%)",
+                    r["rank"],
+                    r["measured_bytes"] / 2**20,
+                    r["predicted_bytes"] / 2**20,
+                    100 * (r["predicted_bytes"] / r["measured_bytes"] - 1),
+                )
         elif kind in ("checkpoint", "warning", "start"):
             log.info("%s: %s", kind, {k: v for k, v in event.items() if k != "event"})
 

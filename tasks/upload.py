@@ -30,7 +30,7 @@ def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: 
         "steps": result.final_step,
         "final loss": round(metrics.get("loss", float("nan")), 4),
         "layout": f"dp={layout.parallel.dp} tp={layout.parallel.tp} pp={layout.parallel.pp}"
-                  + " zero1" * layout.parallel.zero_1,
+        + " zero1" * layout.parallel.zero_1,
         "tokens seen": metrics.get("tokens_seen"),
     }
     sources = [config.data.source] if isinstance(config.data.source, str) else list(config.data.source)

@@ -46,8 +46,16 @@ def prefect_server():
         yield
 
 
-def write_job(run_dir: Path, model: str, dataset: str, *, world: int, block_size: int = 32,
-              parallel: dict | None = None, train: dict | None = None) -> Path:
+def write_job(
+    run_dir: Path,
+    model: str,
+    dataset: str,
+    *,
+    world: int,
+    block_size: int = 32,
+    parallel: dict | None = None,
+    train: dict | None = None,
+) -> Path:
     """A job.json for ``python -m neuron_parallel.train``: dp derived from ``world``."""
     from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
 
@@ -67,10 +75,24 @@ def write_job(run_dir: Path, model: str, dataset: str, *, world: int, block_size
 
 def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the real training entry point under torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "neuron_parallel.train", str(job_path)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "neuron_parallel.train",
+        str(job_path),
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

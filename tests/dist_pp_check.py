@@ -39,9 +39,15 @@ BATCH, SEQ, VOCAB, LR, TOL = 8, 32, 256, 0.1, 1e-5
 
 def tiny_config(tied: bool) -> LlamaConfig:
     return LlamaConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128,
-        tie_word_embeddings=tied, attn_implementation="sdpa",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        attn_implementation="sdpa",
     )
 
 
@@ -60,8 +66,9 @@ def main() -> int:
     ap.add_argument("--layer-split", default=None, help="comma-separated layers per stage")
     ap.add_argument("--accum", type=int, default=1, help="step() calls per optimizer step")
     ap.add_argument("--tied", action="store_true")
-    ap.add_argument("--loss-parallel", action="store_true",
-                    help="vocab-parallel lm_head on a tp mesh of 1: DTensor logits and loss")
+    ap.add_argument(
+        "--loss-parallel", action="store_true", help="vocab-parallel lm_head on a tp mesh of 1: DTensor logits and loss"
+    )
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
@@ -94,9 +101,16 @@ def main() -> int:
 
     split = [int(n) for n in args.layer_split.split(",")] if args.layer_split else None
     ids = stage_ids_for_rank(rank, pp, args.virtual_stages, args.schedule)
-    stages = build_stages(build_meta_model(config), config, pp_rank=rank, pp=pp,
-                          virtual_stages=args.virtual_stages, schedule=args.schedule,
-                          layer_split=split, recompute_every=args.recompute)
+    stages = build_stages(
+        build_meta_model(config),
+        config,
+        pp_rank=rank,
+        pp=pp,
+        virtual_stages=args.virtual_stages,
+        schedule=args.schedule,
+        layer_split=split,
+        recompute_every=args.recompute,
+    )
     if args.loss_parallel:
         # As the TP module would: shard on meta, before materialising and building the runner.
         from torch.distributed.tensor import Shard
@@ -116,9 +130,17 @@ def main() -> int:
     if rank == 0:
         shutil.rmtree(weights_dir)
 
-    runner = PipelineRunner(stages, ids, pp * args.virtual_stages, pp_group=group, device=torch.device("cpu"),
-                            schedule=args.schedule, num_microbatches=args.mb, loss_fn=causal_lm_loss,
-                            loss_scale=1.0 / args.accum)
+    runner = PipelineRunner(
+        stages,
+        ids,
+        pp * args.virtual_stages,
+        pp_group=group,
+        device=torch.device("cpu"),
+        schedule=args.schedule,
+        num_microbatches=args.mb,
+        loss_fn=causal_lm_loss,
+        loss_scale=1.0 / args.accum,
+    )
     params = {id(p): p for s in stages for p in s.parameters()}
     opt = torch.optim.SGD(params.values(), lr=LR)
 
@@ -163,8 +185,11 @@ def main() -> int:
             if diff > TOL:
                 ok = False
                 print(f"[rank{rank}] weight {name} differs by {diff:.2e}", flush=True)
-    print(f"RESULT rank={rank} stages={ids} ok={ok} max_loss_rel={worst_loss:.2e} "
-          f"max_weight_diff={worst_w:.2e} max_update={moved:.2e} params={n} steps_s={seconds:.2f}", flush=True)
+    print(
+        f"RESULT rank={rank} stages={ids} ok={ok} max_loss_rel={worst_loss:.2e} "
+        f"max_weight_diff={worst_w:.2e} max_update={moved:.2e} params={n} steps_s={seconds:.2f}",
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -42,10 +42,20 @@ def make_config(args):
 
     cls = Qwen3Config if args.model == "qwen3" else LlamaConfig
     extra = {"head_dim": 16} if args.model == "qwen3" else {}
-    return cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=args.heads,
-               num_key_value_heads=args.kv_heads, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64, tie_word_embeddings=args.tied, pad_token_id=PAD,
-               attention_bias=args.bias, rms_norm_eps=1e-6, **extra)
+    return cls(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=args.tied,
+        pad_token_id=PAD,
+        attention_bias=args.bias,
+        rms_norm_eps=1e-6,
+        **extra,
+    )
 
 
 def write_reference(config, out_dir: str) -> None:
@@ -125,8 +135,11 @@ def train(stage, vocab, *, lp=False):
 def ownership_ok(stage) -> list[str]:
     """Names of parameters whose stored pieces (rank by rank, as save.py decides) do not cover
     the global tensor exactly once."""
-    mine = {n: (local_view(p)[2], list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape))
-            for n, p in stage.named_parameters() if _owns(p.detach(), dist.get_rank())}
+    mine = {
+        n: (local_view(p)[2], list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape))
+        for n, p in stage.named_parameters()
+        if _owns(p.detach(), dist.get_rank())
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     bad = []
@@ -204,11 +217,24 @@ def main() -> int:
             local_diff = max(local_diff, (local - ref).abs().max().item())
     worst = max(full_diff, key=full_diff.get)
     result = {
-        "tp": world, "model": args.model, "sp": sp, "loss_parallel": lp, "tied": args.tied, "bias": args.bias,
-        "losses": losses, "ref_losses": ref_losses, "max_rel_loss_diff": max(rel),
-        "max_grad_diff": full_diff[worst], "worst_grad": worst, "max_local_grad_diff": local_diff,
-        "n_params": len(full_diff), "kv_heads": args.kv_heads, "head_dim": 16, "k_proj_per_rank": kv_all,
-        "sp_seq_len_refused": seq_len_refused, "bad_ownership": bad_owners,
+        "tp": world,
+        "model": args.model,
+        "sp": sp,
+        "loss_parallel": lp,
+        "tied": args.tied,
+        "bias": args.bias,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "max_rel_loss_diff": max(rel),
+        "max_grad_diff": full_diff[worst],
+        "worst_grad": worst,
+        "max_local_grad_diff": local_diff,
+        "n_params": len(full_diff),
+        "kv_heads": args.kv_heads,
+        "head_dim": 16,
+        "k_proj_per_rank": kv_all,
+        "sp_seq_len_refused": seq_len_refused,
+        "bad_ownership": bad_owners,
         "unmatched_params": unmatched,
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -36,8 +36,25 @@ REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 URL_PREFIXES = {"model": "", "dataset": "datasets/", "space": "spaces/"}
 # As on the Hub: big files, binary files and the suffixes of its default .gitattributes go to LFS.
 LFS_MIN_SIZE = 10 * 1024 * 1024
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".onnx", ".gguf", ".npy", ".npz",
-                ".msgpack", ".model", ".parquet", ".arrow", ".zip", ".gz", ".tar")
+LFS_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".onnx",
+    ".gguf",
+    ".npy",
+    ".npz",
+    ".msgpack",
+    ".model",
+    ".parquet",
+    ".arrow",
+    ".zip",
+    ".gz",
+    ".tar",
+)
 GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -62,8 +79,9 @@ _ROUTES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
 class HubError(Exception):
     """An error answered in the Hub's shape: JSON ``{"error": ..., **extra}`` and ``X-Error-*`` headers."""
 
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 headers: Mapping[str, str] = {}, **extra: Any) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, headers: Mapping[str, str] = {}, **extra: Any
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.headers, self.extra = dict(headers), extra
@@ -84,8 +102,14 @@ def _lfs_pointer(sha256: str, size: int) -> bytes:
 
 def _check_repo_path(path: object) -> str:
     """A file path inside a repo: relative, '/'-separated, no empty, '.' or '..' parts."""
-    if (not isinstance(path, str) or not path or path.startswith("/") or "\\" in path or "\0" in path
-            or any(part in ("", ".", "..") for part in path.split("/"))):
+    if (
+        not isinstance(path, str)
+        or not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\0" in path
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
         raise HubError(400, f"Invalid path in repo: {path!r}", "InvalidPath")
     return path
 
@@ -264,13 +288,26 @@ class _Handler(BaseHTTPRequestHandler):
                 # The Hub's 409 carries the repo url: create_repo(exist_ok=True) returns it.
                 raise HubError(409, f"You already created this {rtype} repo", url=self._repo_url(rtype, repo_id))
             commit_id = hashlib.sha1(uuid.uuid4().bytes).hexdigest()
-            gitattributes = {"sha256": store.put_bytes(GITATTRIBUTES), "size": len(GITATTRIBUTES),
-                             "oid": _git_oid(GITATTRIBUTES), "lfs": False}
-            initial = {"parents": [], "title": "initial commit", "message": "", "author": user, "date": _now(),
-                       "files": {".gitattributes": gitattributes}}
+            gitattributes = {
+                "sha256": store.put_bytes(GITATTRIBUTES),
+                "size": len(GITATTRIBUTES),
+                "oid": _git_oid(GITATTRIBUTES),
+                "lfs": False,
+            }
+            initial = {
+                "parents": [],
+                "title": "initial commit",
+                "message": "",
+                "author": user,
+                "date": _now(),
+                "files": {".gitattributes": gitattributes},
+            }
             private = bool(body.get("private")) or body.get("visibility") == "private"
-            store.save(rtype, repo_id, {"private": private, "created": _now(), "refs": {"main": commit_id},
-                                        "commits": {commit_id: initial}})
+            store.save(
+                rtype,
+                repo_id,
+                {"private": private, "created": _now(), "refs": {"main": commit_id}, "commits": {commit_id: initial}},
+            )
         self._send(200, {"url": self._repo_url(rtype, repo_id), "name": repo_id, "id": repo_id})
 
     def _h_validate_yaml(self) -> None:
@@ -284,12 +321,26 @@ class _Handler(BaseHTTPRequestHandler):
         rtype, repo_id, state = self._repo(plural, namespace, name, write=False)
         sha = self._revision(state, revision or "main")
         commit = state["commits"][sha]
-        siblings = [{"rfilename": path, "size": f["size"], "blobId": f["oid"]}
-                    | ({"lfs": {"sha256": f["sha256"], "size": f["size"], "pointerSize": 134}} if f["lfs"] else {})
-                    for path, f in sorted(commit["files"].items())]
-        info = {"_id": repo_id, "id": repo_id, "author": namespace, "sha": sha, "private": state["private"],
-                "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": [], "siblings": siblings,
-                "lastModified": commit["date"], "createdAt": state["created"]}
+        siblings = [
+            {"rfilename": path, "size": f["size"], "blobId": f["oid"]}
+            | ({"lfs": {"sha256": f["sha256"], "size": f["size"], "pointerSize": 134}} if f["lfs"] else {})
+            for path, f in sorted(commit["files"].items())
+        ]
+        info = {
+            "_id": repo_id,
+            "id": repo_id,
+            "author": namespace,
+            "sha": sha,
+            "private": state["private"],
+            "disabled": False,
+            "gated": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": [],
+            "siblings": siblings,
+            "lastModified": commit["date"],
+            "createdAt": state["created"],
+        }
         self._send(200, info | {"modelId": repo_id} if rtype == "model" else info)
 
     def _h_preupload(self, plural: str, namespace: str, name: str, revision: str) -> None:
@@ -323,8 +374,9 @@ class _Handler(BaseHTTPRequestHandler):
                 href = f"{self.server.url}/lfs-upload/{oid}?size={size}&expires={expires}&sig={sig}"
                 entry["actions"] = {"upload": {"href": href, "header": {}, "expires_in": 3600}}
             objects.append(entry)
-        self._send(200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                   ctype="application/vnd.git-lfs+json")
+        self._send(
+            200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, ctype="application/vnd.git-lfs+json"
+        )
 
     def _h_lfs_put(self, oid: str) -> None:
         size, expires, sig = (self.query.get(key, "") for key in ("size", "expires", "sig"))
@@ -371,8 +423,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if key == "file":
                     content = value.get("content", "")
                     data = base64.b64decode(content) if value.get("encoding") == "base64" else str(content).encode()
-                    files[path] = {"sha256": store.put_bytes(data), "size": len(data), "oid": _git_oid(data),
-                                   "lfs": False}
+                    files[path] = {
+                        "sha256": store.put_bytes(data),
+                        "size": len(data),
+                        "oid": _git_oid(data),
+                        "lfs": False,
+                    }
                 elif key == "lfsFile":
                     oid, size = str(value.get("oid")), value.get("size")
                     blob = store.blob(oid)
@@ -387,13 +443,25 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     raise HubError(400, f"Unsupported commit operation: {key!r}")
             commit_id = hashlib.sha1(json.dumps([parent, files, uuid.uuid4().hex]).encode()).hexdigest()
-            state["commits"][commit_id] = {"parents": [parent], "title": header.get("summary") or "",
-                                           "message": header.get("description") or "", "author": namespace,
-                                           "date": _now(), "files": files}
+            state["commits"][commit_id] = {
+                "parents": [parent],
+                "title": header.get("summary") or "",
+                "message": header.get("description") or "",
+                "author": namespace,
+                "date": _now(),
+                "files": files,
+            }
             state["refs"][revision] = commit_id
             store.save(rtype, repo_id, state)
-        self._send(200, {"success": True, "commitOid": commit_id, "hookOutput": "",
-                         "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{commit_id}"})
+        self._send(
+            200,
+            {
+                "success": True,
+                "commitOid": commit_id,
+                "hookOutput": "",
+                "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{commit_id}",
+            },
+        )
 
     def _h_tree(self, plural: str, namespace: str, name: str, revision: str, sub: str | None) -> None:
         _, _, state = self._repo(plural, namespace, name, write=False)
@@ -404,11 +472,13 @@ class _Handler(BaseHTTPRequestHandler):
         for path, f in sorted(files.items()):
             if not path.startswith(prefix):
                 continue
-            parts = path[len(prefix):].split("/")
+            parts = path[len(prefix) :].split("/")
             for depth in range(1, len(parts) if recursive else min(len(parts), 2)):  # the folders on the way
                 folder = prefix + "/".join(parts[:depth])
-                entries.setdefault(folder, {"type": "directory", "path": folder, "size": 0,
-                                            "oid": hashlib.sha1(folder.encode()).hexdigest()})
+                entries.setdefault(
+                    folder,
+                    {"type": "directory", "path": folder, "size": 0, "oid": hashlib.sha1(folder.encode()).hexdigest()},
+                )
             if recursive or len(parts) == 1:
                 lfs = {"lfs": {"oid": f["sha256"], "size": f["size"], "pointerSize": 134}} if f["lfs"] else {}
                 entries[path] = {"type": "file", "path": path, "size": f["size"], "oid": f["oid"], **lfs}
@@ -421,8 +491,15 @@ class _Handler(BaseHTTPRequestHandler):
         history, sha = [], self._revision(state, revision)
         while sha is not None:  # first-parent history, newest first
             c = state["commits"][sha]
-            history.append({"id": sha, "title": c["title"], "message": c["message"], "date": c["date"],
-                            "authors": [{"user": c["author"]}]})
+            history.append(
+                {
+                    "id": sha,
+                    "title": c["title"],
+                    "message": c["message"],
+                    "date": c["date"],
+                    "authors": [{"user": c["author"]}],
+                }
+            )
             sha = c["parents"][0] if c["parents"] else None
         self._send(200, history)
 
@@ -438,8 +515,12 @@ class _Handler(BaseHTTPRequestHandler):
         if f is None:
             raise HubError(404, f"Entry not found: {path}", "EntryNotFound", {"X-Repo-Commit": sha})
         size = f["size"]
-        headers = {"X-Repo-Commit": sha, "ETag": f'"{f["sha256"] if f["lfs"] else f["oid"]}"',
-                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": sha,
+            "ETag": f'"{f["sha256"] if f["lfs"] else f["oid"]}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         if f["lfs"]:  # what the Hub sends alongside its CDN redirect for LFS files
             headers |= {"X-Linked-Etag": f'"{f["sha256"]}"', "X-Linked-Size": str(size)}
         start, end, status = 0, size - 1, 200
@@ -470,8 +551,9 @@ class LocalHub:
     ``start()`` and ``close()``.
     """
 
-    def __init__(self, root: Path | str, *, users: Mapping[str, str] = DEFAULT_USERS,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, root: Path | str, *, users: Mapping[str, str] = DEFAULT_USERS, max_body_bytes: int = MAX_BODY_BYTES
+    ) -> None:
         if not users:
             raise ValueError("LocalHub needs at least one token -> user entry")
         self.root = Path(root)

@@ -12,17 +12,38 @@ from tasks.config import FinetuneConfig
 from .conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny-llama-cpu.yaml"
-FIXED = ["parallel.tp=1", "parallel.pp=1", "parallel.zero_1=false", "parallel.sequence_parallel=false",
-         "parallel.num_microbatches=1", "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=1",
-         "parallel.activation_checkpointing=0"]
+FIXED = [
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "parallel.zero_1=false",
+    "parallel.sequence_parallel=false",
+    "parallel.num_microbatches=1",
+    "parallel.pipeline_schedule=1f1b",
+    "parallel.virtual_stages=1",
+    "parallel.activation_checkpointing=0",
+]
 
 
 def test_tiny_config_loads_with_required_keys():
     cfg = FinetuneConfig.load(TINY)
-    for key in ("parallel.tp", "parallel.pp", "parallel.zero_1", "parallel.sequence_parallel",
-                "parallel.num_microbatches", "train.max_steps", "train.save_every", "train.seed",
-                "train.micro_batch_size", "train.grad_accum", "train.lr", "data.block_size",
-                "launch.nproc_per_node", "output.dir", "hub.repo_id", "hub.endpoint"):
+    for key in (
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.zero_1",
+        "parallel.sequence_parallel",
+        "parallel.num_microbatches",
+        "train.max_steps",
+        "train.save_every",
+        "train.seed",
+        "train.micro_batch_size",
+        "train.grad_accum",
+        "train.lr",
+        "data.block_size",
+        "launch.nproc_per_node",
+        "output.dir",
+        "hub.repo_id",
+        "hub.endpoint",
+    ):
         section, name = key.split(".")
         assert hasattr(getattr(cfg, section), name), key
     assert cfg.launch.nproc_per_node == 2 and cfg.parallel.is_auto and cfg.parallel.fixed() == {}
@@ -39,8 +60,17 @@ def test_layout_fields_default_to_auto():
 
 
 def test_overrides_are_typed_and_dp_is_derived():
-    cfg = FinetuneConfig.load(TINY, [*FIXED, "parallel.tp=2", "launch.nproc_per_node=8", "train.lr=1e-4",
-                                     "parallel.zero_1=true", "hub.repo_id=alice/x"])
+    cfg = FinetuneConfig.load(
+        TINY,
+        [
+            *FIXED,
+            "parallel.tp=2",
+            "launch.nproc_per_node=8",
+            "train.lr=1e-4",
+            "parallel.zero_1=true",
+            "hub.repo_id=alice/x",
+        ],
+    )
     assert cfg.parallel.tp == 2 and cfg.train.lr == 1e-4 and cfg.parallel.zero_1 is True
     assert not cfg.parallel.is_auto
     assert cfg.dp == 4 and cfg.parallel_config().dp == 4 and cfg.global_batch_size == 8 * 4
@@ -62,11 +92,14 @@ def test_auto_layout_refusals_name_the_fix():
         FinetuneConfig.load(None, ["parallel.pipeline_schedule=zbv"])
 
 
-@pytest.mark.parametrize("override, expect", [
-    ("parallel.tpp=2", "did you mean parallel.tp"),
-    ("trian.lr=1", "did you mean train"),
-    ("train.max_step=3", "train.max_steps"),
-])
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("parallel.tpp=2", "did you mean parallel.tp"),
+        ("trian.lr=1", "did you mean train"),
+        ("train.max_step=3", "train.max_steps"),
+    ],
+)
 def test_misspelt_key_names_the_valid_ones(override, expect):
     with pytest.raises(ValueError, match="unknown config key") as e:
         FinetuneConfig.load(TINY, [override])
@@ -117,9 +150,23 @@ def test_cli_refuses_bad_config_fast_before_tokenizing(tmp_path, override):
     cache = tmp_path / "datasets"
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(TINY), "--set", override,
-         "--set", f"data.cache_dir={cache}", "--set", f"output.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            str(TINY),
+            "--set",
+            override,
+            "--set",
+            f"data.cache_dir={cache}",
+            "--set",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr

@@ -39,17 +39,29 @@ def test_text_and_parquet_sources(tiny_world, tmp_path):
     text.write_text("first paragraph of text here.\n\nsecond paragraph, longer than the first one.\n")
     pq.write_table(pa.table({"content": ["one document", "another document entirely"]}), tmp_path / "p.parquet")
     t = tokenize_dataset(source=str(text), tokenizer_dir=tiny_world["model"], block_size=4, cache_dir=tmp_path / "c")
-    p = tokenize_dataset(source=str(tmp_path / "p.parquet"), tokenizer_dir=tiny_world["model"], block_size=4,
-                         cache_dir=tmp_path / "c", text_field="content")
+    p = tokenize_dataset(
+        source=str(tmp_path / "p.parquet"),
+        tokenizer_dir=tiny_world["model"],
+        block_size=4,
+        cache_dir=tmp_path / "c",
+        text_field="content",
+    )
     assert t.num_blocks > 0 and p.num_blocks > 0 and t.fingerprint != p.fingerprint
 
 
 def test_bad_sources_are_named(tiny_world, tmp_path):
     with pytest.raises(ValueError, match="no such file"):
-        tokenize_dataset(source=str(tmp_path / "nope.jsonl"), tokenizer_dir=tiny_world["model"], block_size=8, cache_dir=tmp_path)
+        tokenize_dataset(
+            source=str(tmp_path / "nope.jsonl"), tokenizer_dir=tiny_world["model"], block_size=8, cache_dir=tmp_path
+        )
     with pytest.raises(ValueError, match="text_field='body' is not a column"):
-        tokenize_dataset(source=tiny_world["corpus"], tokenizer_dir=tiny_world["model"], block_size=8,
-                         cache_dir=tmp_path, text_field="body")
+        tokenize_dataset(
+            source=tiny_world["corpus"],
+            tokenizer_dir=tiny_world["model"],
+            block_size=8,
+            cache_dir=tmp_path,
+            text_field="body",
+        )
 
 
 def test_block_stream_is_a_seeded_permutation_per_epoch(tiny_dataset):

@@ -22,16 +22,39 @@ CLUSTER_PATH = ROOT / "deployments" / "trn2" / "cluster.yaml"
 
 # Keys the Prefect kubernetes worker reads from `job_configuration` (its default template has exactly these).
 WORKER_KEYS = {
-    "command", "env", "labels", "name", "namespace", "job_manifest", "cluster_config",
-    "stream_output", "job_watch_timeout_seconds", "pod_watch_timeout_seconds",
+    "command",
+    "env",
+    "labels",
+    "name",
+    "namespace",
+    "job_manifest",
+    "cluster_config",
+    "stream_output",
+    "job_watch_timeout_seconds",
+    "pod_watch_timeout_seconds",
 }
 # Placeholders that Prefect itself fills per flow run; its default template declares them as properties too.
 PREFECT_BUILTINS = {"command", "env", "labels", "name", "namespace"}
 REQUIRED_VARIABLES = {
-    "image", "namespace", "nnodes", "neuron_devices", "efa_interfaces", "shm_size", "fsx_claim",
-    "output_mount", "service_account_name", "env", "labels", "finished_job_ttl", "stream_output",
-    "job_watch_timeout_seconds", "pod_watch_timeout_seconds", "cpu_request", "memory_request",
-    "node_selector", "tolerations",
+    "image",
+    "namespace",
+    "nnodes",
+    "neuron_devices",
+    "efa_interfaces",
+    "shm_size",
+    "fsx_claim",
+    "output_mount",
+    "service_account_name",
+    "env",
+    "labels",
+    "finished_job_ttl",
+    "stream_output",
+    "job_watch_timeout_seconds",
+    "pod_watch_timeout_seconds",
+    "cpu_request",
+    "memory_request",
+    "node_selector",
+    "tolerations",
 }
 
 
@@ -91,7 +114,8 @@ def test_template_shape(template):
     assert props["output_mount"]["default"] == "/fsx"
     assert props["node_selector"]["default"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
     assert {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"} in (
-        props["tolerations"]["default"])
+        props["tolerations"]["default"]
+    )
     assert "neuron" in props["image"]["description"] and props["image"]["default"]
 
 
@@ -136,8 +160,15 @@ def test_rendered_job_is_an_indexed_multi_node_job(template):
 
 
 def test_overrides_reach_the_manifest(template):
-    cfg = render(template, nnodes=4, neuron_devices=8, output_mount="/mnt/out", fsx_claim="other",
-                 shm_size="8Gi", namespace="ns2")
+    cfg = render(
+        template,
+        nnodes=4,
+        neuron_devices=8,
+        output_mount="/mnt/out",
+        fsx_claim="other",
+        shm_size="8Gi",
+        namespace="ns2",
+    )
     spec = cfg["job_manifest"]["spec"]
     assert spec["completions"] == spec["parallelism"] == 4
     c = container(cfg)
@@ -175,7 +206,8 @@ def test_env_is_valid_for_kubernetes(template):
         seen.add(e["name"])
     by_name = env_of(container(cfg))
     assert by_name["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "metadata.labels['batch.kubernetes.io/job-name']")
+        "metadata.labels['batch.kubernetes.io/job-name']"
+    )
     assert by_name["NEURON_FLOWS_RDZV_ENDPOINT"]["value"] == "$(JOB_NAME)-0.neuron-flows:29400"
     assert by_name["NEURON_FLOWS_LAUNCH_FILE"]["value"] == "/fsx/neuron-flows/launch/$(JOB_NAME).json"
     assert by_name["FI_PROVIDER"]["value"] == "efa"
@@ -248,7 +280,12 @@ def test_entrypoint_runs_flow_on_index_0_and_join_elsewhere(template, tmp_path, 
 
 def test_entrypoint_refuses_index_0_without_a_command(template):
     c = container(render(template))
-    out = subprocess.run(c["command"], env={"PATH": os.environ.get("PATH", ""), "JOB_COMPLETION_INDEX": "0"},
-                         capture_output=True, text=True, timeout=10)
+    out = subprocess.run(
+        c["command"],
+        env={"PATH": os.environ.get("PATH", ""), "JOB_COMPLETION_INDEX": "0"},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert out.returncode != 0
     assert "neuron-flows join" in c["command"][2]

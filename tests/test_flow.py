@@ -31,19 +31,22 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     repo = f"{hub.user}/tiny-llama-ft"
-    config = FinetuneConfig.load(None, [
-        f"model.name_or_path={tiny_world['model']}",
-        f"data.source={tiny_world['corpus']}",
-        "data.block_size=32",
-        f"data.cache_dir={tmp_path / 'datasets'}",
-        "launch.nproc_per_node=2",
-        "train.max_steps=4",
-        "train.save_every=2",
-        "train.micro_batch_size=2",
-        f"output.dir={tmp_path / 'run'}",
-        f"hub.repo_id={repo}",
-        f"hub.endpoint={hub.url}",
-    ])
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "launch.nproc_per_node=2",
+            "train.max_steps=4",
+            "train.save_every=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+            f"hub.repo_id={repo}",
+            f"hub.endpoint={hub.url}",
+        ],
+    )
     state = finetune(config, return_state=True)
     assert state.is_completed(), state
     result = state.result()
@@ -79,6 +82,7 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
             return {r.name.rsplit("-", 1)[0] for r in runs if r.flow_run_id == state.state_details.flow_run_id}
 
     import asyncio
+
     assert {"tokenize", "plan", "train", "validate", "consolidate", "upload"} <= asyncio.run(task_names())
 
     # The run's summary: loss curve (PNG, also in the run directory), checkpoints, model, Hub commit.
@@ -100,15 +104,18 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
     from flows.finetune import finetune
 
-    config = FinetuneConfig.load(None, [
-        f"model.name_or_path={tiny_world['model']}",
-        f"data.source={tiny_world['corpus']}",
-        "data.block_size=32",
-        f"data.cache_dir={tmp_path / 'datasets'}",
-        "train.max_steps=2",
-        "train.micro_batch_size=2",
-        f"output.dir={tmp_path / 'run'}",
-    ])
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+    )
     result = finetune(config)
     assert result["hub_url"] is None and Path(result["consolidated"], "model.safetensors").exists()
 
@@ -119,11 +126,20 @@ def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, 
     from flows.finetune import finetune
 
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
-    config = FinetuneConfig.load(None, [
-        f"model.name_or_path={tiny_world['model']}", f"data.source={tiny_world['corpus']}", "data.block_size=32",
-        f"data.cache_dir={tmp_path / 'datasets'}", "train.max_steps=2", "train.micro_batch_size=2",
-        f"output.dir={tmp_path / 'run'}", f"hub.repo_id={hub.user}/x", f"hub.endpoint={hub.url}",
-    ])
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+            f"hub.repo_id={hub.user}/x",
+            f"hub.endpoint={hub.url}",
+        ],
+    )
     state = finetune(config, return_state=True)
     assert state.is_failed()
     assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()

@@ -24,8 +24,9 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
 from safetensors.torch import save_file
 
-from .hub_server import DEFAULT_USERS, LocalHub
 from neuron_parallel.hub import HubCommit, upload_model, write_model_card
+
+from .hub_server import DEFAULT_USERS, LocalHub
 
 REPO_ID = f"{next(iter(DEFAULT_USERS.values()))}/tiny-llama-ft"  # LocalHub's default user owns it
 
@@ -58,13 +59,21 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def card_for(model_dir: Path, repo_id: str | None = REPO_ID, base_model: str = "TinyLlama/TinyLlama-1.1B") -> Path:
-    return write_model_card(model_dir, repo_id=repo_id, base_model=base_model, datasets=["tatsu-lab/alpaca"],
-                            summary={"steps": 2, "final loss": 2.1, "parallel layout": "tp=2 pp=1 dp=2"})
+    return write_model_card(
+        model_dir,
+        repo_id=repo_id,
+        base_model=base_model,
+        datasets=["tatsu-lab/alpaca"],
+        summary={"steps": 2, "final loss": 2.1, "parallel layout": "tp=2 pp=1 dp=2"},
+    )
 
 
 def test_upload_then_snapshot_download_is_byte_identical(hub: LocalHub, model_dir: Path, tmp_path: Path) -> None:
@@ -139,8 +148,11 @@ def test_model_card_metadata_and_body(model_dir: Path, tmp_path: Path) -> None:
 
     local_base = tmp_path / "base-checkpoint"
     local_base.mkdir()
-    card = ModelCard.load(write_model_card(model_dir, repo_id=None, base_model=str(local_base),
-                                           datasets=[str(tmp_path / "train.jsonl")], summary={}))
+    card = ModelCard.load(
+        write_model_card(
+            model_dir, repo_id=None, base_model=str(local_base), datasets=[str(tmp_path / "train.jsonl")], summary={}
+        )
+    )
     assert card.data.base_model is None and card.data.datasets is None  # local paths stay out of the metadata
     assert f'from_pretrained("{model_dir.resolve()}")' in card.text
 
@@ -169,10 +181,16 @@ def test_local_hub_speaks_the_hub_error_shapes(hub: LocalHub, model_dir: Path) -
     assert data == (model_dir / "model.safetensors").read_bytes()[10:20]
 
     for bad_path in ("../escape.txt", "/etc/passwd", "a/../../b"):
-        ndjson = b"\n".join(json.dumps(line).encode() for line in [
-            {"key": "header", "value": {"summary": "evil"}},
-            {"key": "file", "value": {"path": bad_path, "content": base64.b64encode(b"x").decode(), "encoding": "base64"}},
-        ])
+        ndjson = b"\n".join(
+            json.dumps(line).encode()
+            for line in [
+                {"key": "header", "value": {"summary": "evil"}},
+                {
+                    "key": "file",
+                    "value": {"path": bad_path, "content": base64.b64encode(b"x").decode(), "encoding": "base64"},
+                },
+            ]
+        )
         assert call("POST", f"/api/models/{REPO_ID}/commit/main", ndjson, **auth)[0] == 400, bad_path
     assert call("POST", f"/api/models/{REPO_ID}/commit/main", b'{"key": "header", "value": {}}\n')[0] == 401
 

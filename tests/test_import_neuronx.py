@@ -25,9 +25,16 @@ HEAD_DIM = HIDDEN // HEADS
 def llama_config(kv_heads: int = 2, vocab: int = 128):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                       num_attention_heads=HEADS, num_key_value_heads=kv_heads, vocab_size=vocab,
-                       tie_word_embeddings=False, max_position_embeddings=64)
+    return LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
 
 
 def original_state(config) -> dict[str, torch.Tensor]:
@@ -42,6 +49,7 @@ def original_state(config) -> dict[str, torch.Tensor]:
 
 # --- sharding, written from what the layers hold on each rank ---------------------------------------
 
+
 def gqa_query_heads(tp: int, rank: int, kv_heads: int, mult: int) -> list[int]:
     """The query heads rank ``rank`` holds in the GQA QKV layer: kv heads are laid out ``mult``
     times over the ranks, and each rank takes the next query heads of the group of each kv head it
@@ -53,7 +61,7 @@ def gqa_query_heads(tp: int, rank: int, kv_heads: int, mult: int) -> list[int]:
     held = {}
     for r in range(tp):
         held[r] = []
-        for k in layout[r * per_rank:(r + 1) * per_rank]:
+        for k in layout[r * per_rank : (r + 1) * per_rank]:
             held[r] += [k * group + handed[k] + i for i in range(q_per_kv)]
             handed[k] += q_per_kv
     return held[rank]
@@ -68,8 +76,12 @@ def shard_state(state, config, *, tp, pp, attn="plain", mult=1, fuse_mlp=True):
     meta = {p: {"parameters": {}, "model_weight_transformation_specs": []} for p in range(pp)}
 
     def par(p, name, dim, stride=1):
-        meta[p]["parameters"][name] = {"tensor_model_parallel": True, "partition_dim": dim,
-                                       "partition_stride": stride, "num_partitions": tp}
+        meta[p]["parameters"][name] = {
+            "tensor_model_parallel": True,
+            "partition_dim": dim,
+            "partition_stride": stride,
+            "num_partitions": tp,
+        }
 
     def rep(p, name):
         meta[p]["parameters"][name] = {"tensor_model_parallel": False}
@@ -97,18 +109,32 @@ def shard_state(state, config, *, tp, pp, attn="plain", mult=1, fuse_mlp=True):
             par(p, name, 0, stride=3)
             for t in range(tp):
                 shards[t, p][name] = torch.cat([w.chunk(tp)[t] for w in (q, k, v)]).clone()
-            meta[p]["model_weight_transformation_specs"].append({"module_fully_qualified_name": f"{pre}.self_attn",
-                                                                 "specs": [
-                ["FusedLinearsSpec", {"fused_linear_name": "qkv_proj", "linear_names": ["q_proj", "k_proj", "v_proj"],
-                                      "bias": False, "fuse_axis": 0, "original_dims": [HEADS * HEAD_DIM] * 3,
-                                      "tp_size": tp, "peft_type": None}]]})
+            meta[p]["model_weight_transformation_specs"].append(
+                {
+                    "module_fully_qualified_name": f"{pre}.self_attn",
+                    "specs": [
+                        [
+                            "FusedLinearsSpec",
+                            {
+                                "fused_linear_name": "qkv_proj",
+                                "linear_names": ["q_proj", "k_proj", "v_proj"],
+                                "bias": False,
+                                "fuse_axis": 0,
+                                "original_dims": [HEADS * HEAD_DIM] * 3,
+                                "tp_size": tp,
+                                "peft_type": None,
+                            },
+                        ]
+                    ],
+                }
+            )
             split(p, f"{pre}.self_attn.o_proj.weight", 1)
         else:  # the GQA QKV layer: "gqa_fused" (weight_qkv) or "gqa" (weight_q/k/v)
             kv_rows = kv * mult // tp * HEAD_DIM
             for t in range(tp):
                 heads = gqa_query_heads(tp, t, kv, mult)
                 lq = q.view(HEADS, HEAD_DIM, HIDDEN)[heads].reshape(-1, HIDDEN)
-                lk, lv = (w.repeat(mult, 1)[t * kv_rows:(t + 1) * kv_rows] for w in (k, v))
+                lk, lv = (w.repeat(mult, 1)[t * kv_rows : (t + 1) * kv_rows] for w in (k, v))
                 lo = o.view(HIDDEN, HEADS, HEAD_DIM)[:, heads].reshape(HIDDEN, -1)
                 if attn == "gqa_fused":
                     shards[t, p][f"{pre}.self_attn.qkv_proj.weight_qkv"] = torch.cat([lq, lk, lv]).clone()
@@ -122,25 +148,57 @@ def shard_state(state, config, *, tp, pp, attn="plain", mult=1, fuse_mlp=True):
                 for n in "qkv":
                     par(p, f"{pre}.self_attn.qkv_proj.weight_{n}", 0)
             par(p, f"{pre}.self_attn.o_proj.weight", 1)
-            meta[p]["model_weight_transformation_specs"].append({"module_fully_qualified_name": f"{pre}.self_attn",
-                                                                 "specs": [
-                ["GQAQKVColumnParallelLinearSpec", {
-                    "gqa_qkv_projection_name": "qkv_proj", "query_projection_name": "q_proj",
-                    "key_projection_name": "k_proj", "value_projection_name": "v_proj",
-                    "output_projection_name": "o_proj", "num_attention_heads": HEADS, "num_key_value_heads": kv,
-                    "kv_size_multiplier": mult, "q_output_size_per_partition": HEADS // tp * HEAD_DIM,
-                    "kv_output_size_per_partition": kv_rows, "fuse_qkv": attn == "gqa_fused", "bias": False,
-                    "tp_size": tp, "peft_type": None}]]})
+            meta[p]["model_weight_transformation_specs"].append(
+                {
+                    "module_fully_qualified_name": f"{pre}.self_attn",
+                    "specs": [
+                        [
+                            "GQAQKVColumnParallelLinearSpec",
+                            {
+                                "gqa_qkv_projection_name": "qkv_proj",
+                                "query_projection_name": "q_proj",
+                                "key_projection_name": "k_proj",
+                                "value_projection_name": "v_proj",
+                                "output_projection_name": "o_proj",
+                                "num_attention_heads": HEADS,
+                                "num_key_value_heads": kv,
+                                "kv_size_multiplier": mult,
+                                "q_output_size_per_partition": HEADS // tp * HEAD_DIM,
+                                "kv_output_size_per_partition": kv_rows,
+                                "fuse_qkv": attn == "gqa_fused",
+                                "bias": False,
+                                "tp_size": tp,
+                                "peft_type": None,
+                            },
+                        ]
+                    ],
+                }
+            )
         gate, up = state[f"{pre}.mlp.gate_proj.weight"], state[f"{pre}.mlp.up_proj.weight"]
         if fuse_mlp:  # ColumnParallelLinear(stride=2) + FusedLinearsSpec
             name = f"{pre}.mlp.gate_up_proj.weight"
             par(p, name, 0, stride=2)
             for t in range(tp):
                 shards[t, p][name] = torch.cat([gate.chunk(tp)[t], up.chunk(tp)[t]]).clone()
-            meta[p]["model_weight_transformation_specs"].append({"module_fully_qualified_name": f"{pre}.mlp", "specs": [
-                ["FusedLinearsSpec", {"fused_linear_name": "gate_up_proj", "linear_names": ["gate_proj", "up_proj"],
-                                      "bias": False, "fuse_axis": 0, "original_dims": [INTERMEDIATE] * 2,
-                                      "tp_size": tp, "peft_type": None}]]})
+            meta[p]["model_weight_transformation_specs"].append(
+                {
+                    "module_fully_qualified_name": f"{pre}.mlp",
+                    "specs": [
+                        [
+                            "FusedLinearsSpec",
+                            {
+                                "fused_linear_name": "gate_up_proj",
+                                "linear_names": ["gate_proj", "up_proj"],
+                                "bias": False,
+                                "fuse_axis": 0,
+                                "original_dims": [INTERMEDIATE] * 2,
+                                "tp_size": tp,
+                                "peft_type": None,
+                            },
+                        ]
+                    ],
+                }
+            )
         else:
             split(p, f"{pre}.mlp.gate_proj.weight", 0)
             split(p, f"{pre}.mlp.up_proj.weight", 0)
@@ -151,6 +209,7 @@ def shard_state(state, config, *, tp, pp, attn="plain", mult=1, fuse_mlp=True):
 
 
 # --- writing the files ---------------------------------------------------------------------------
+
 
 class TensorReference:
     """What torch_xla's xser leaves in the state dict in place of a tensor."""
@@ -196,7 +255,9 @@ def save_rank(obj, path: Path, *, xser: bool, info: bool = True) -> None:
 def write_trainer_checkpoint(ckpt: Path, shards, meta, *, xser=False, info=True, pt_metadata=None) -> Path:
     """Layout (a): shards/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, mp_metadata_pp_rank_N.json, done."""
     for (t, p), state in shards.items():
-        save_rank(state, ckpt / "shards" / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt", xser=xser, info=info)
+        save_rank(
+            state, ckpt / "shards" / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt", xser=xser, info=info
+        )
     for p, m in meta.items():
         if pt_metadata is not None:
             torch.save(pt_metadata[p], ckpt / "shards" / f"mp_metadata_pp_rank_{p}.pt")
@@ -211,8 +272,12 @@ def write_legacy_checkpoint(ckpt: Path, shards, meta, *, xser=False, gqa=None) -
     """Layout (b): shards/tp_rank_XX_pp_rank_YY/checkpoint.pt (xser: the file tp_rank_XX_pp_rank_YY)
     holding {"model", "sharded_metadata", "gqa_qkv_metadata"}."""
     for (t, p), state in shards.items():
-        sharded = {n: {"kind": "sharded", "partition_dim": m["partition_dim"]} if m["tensor_model_parallel"]
-                   else {"kind": "tied", "partition_dim": None} for n, m in meta[p]["parameters"].items()}
+        sharded = {
+            n: {"kind": "sharded", "partition_dim": m["partition_dim"]}
+            if m["tensor_model_parallel"]
+            else {"kind": "tied", "partition_dim": None}
+            for n, m in meta[p]["parameters"].items()
+        }
         obj = {"model": state, "sharded_metadata": sharded}
         if gqa is not None:
             obj["gqa_qkv_metadata"] = gqa
@@ -235,14 +300,19 @@ def check_output(out: Path, state: dict[str, torch.Tensor]) -> None:
 
 # --- tests ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("tp", "pp", "kv", "attn", "mult", "xser", "info", "vocab"), [
-    (2, 2, 2, "plain", 1, False, True, 128),
-    (2, 2, 2, "plain", 1, True, True, 126),       # vocab padded to 128 over tp=2, trimmed back
-    (4, 2, 2, "gqa_fused", 2, True, False, 128),  # xser without the .info.pt (neuronx-distributed <= 0.6)
-    (4, 2, 2, "gqa", 2, False, True, 128),
-    (4, 1, 1, "gqa_fused", 4, False, True, 128),  # one kv head replicated on every rank
-    (2, 2, 4, "fused_mha", 1, False, True, 128),
-], ids=["plain", "plain-xser-padded-vocab", "gqa-fused-xser-m2", "gqa-m2", "gqa-fused-m4", "fused-mha-qkv"])
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "kv", "attn", "mult", "xser", "info", "vocab"),
+    [
+        (2, 2, 2, "plain", 1, False, True, 128),
+        (2, 2, 2, "plain", 1, True, True, 126),  # vocab padded to 128 over tp=2, trimmed back
+        (4, 2, 2, "gqa_fused", 2, True, False, 128),  # xser without the .info.pt (neuronx-distributed <= 0.6)
+        (4, 2, 2, "gqa", 2, False, True, 128),
+        (4, 1, 1, "gqa_fused", 4, False, True, 128),  # one kv head replicated on every rank
+        (2, 2, 4, "fused_mha", 1, False, True, 128),
+    ],
+    ids=["plain", "plain-xser-padded-vocab", "gqa-fused-xser-m2", "gqa-m2", "gqa-fused-m4", "fused-mha-qkv"],
+)
 def test_trainer_layout_consolidates_bit_for_bit(tmp_path, xser_pickling, tp, pp, kv, attn, mult, xser, info, vocab):
     config = llama_config(kv, vocab)
     state = original_state(config)
@@ -279,10 +349,17 @@ def test_legacy_gqa_without_permutation(tmp_path, xser_pickling):
             pre = f"model.layers.{layer}.self_attn"
             shards[t, 0][f"{pre}.qkv_proj.weight_q"] = state[f"{pre}.q_proj.weight"].chunk(4)[t].clone()
             shards[t, 0][f"{pre}.o_proj.weight"] = state[f"{pre}.o_proj.weight"].chunk(4, 1)[t].clone()
-    mapping = {f"model.layers.{i}.self_attn.{n}_proj.weight": f"model.layers.{i}.self_attn.qkv_proj.weight_{n}"
-               for i in range(LAYERS) for n in "qkv"}
-    gqa = {"original_names_to_gqa_qkv_names": mapping, "num_attention_heads": HEADS, "num_key_value_heads": 2,
-           "kv_size_multiplier": 2}
+    mapping = {
+        f"model.layers.{i}.self_attn.{n}_proj.weight": f"model.layers.{i}.self_attn.qkv_proj.weight_{n}"
+        for i in range(LAYERS)
+        for n in "qkv"
+    }
+    gqa = {
+        "original_names_to_gqa_qkv_names": mapping,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "kv_size_multiplier": 2,
+    }
     ckpt = write_legacy_checkpoint(tmp_path / "ckpt", shards, meta, gqa=gqa)
     config.save_pretrained(ckpt)
     check_output(consolidate_checkpoint(ckpt, tmp_path / "hf"), state)
@@ -297,15 +374,30 @@ def test_pickled_metadata_with_permuted_fused_gqa(tmp_path, xser_pickling):
     pt_meta = {}
     for p, m in meta.items():
         layers = {n.split(".")[2] for n in m["parameters"] if n.startswith("model.layers.")}
-        sharded = {n: {"kind": "sharded", "partition_dim": d["partition_dim"]} if d["tensor_model_parallel"]
-                   else {"kind": "tied", "partition_dim": None} for n, d in m["parameters"].items()}
-        mapping = {f"model.layers.{i}.self_attn.{n}_proj.weight": f"model.layers.{i}.self_attn.qkv_proj.weight_qkv"
-                   for i in sorted(layers) for n in "qkv"}
-        pt_meta[p] = {"sharded_metadata": sharded, "gqa_qkv_metadata": {
-            "original_names_to_gqa_qkv_names": mapping,
-            "output_projections_names": {f"model.layers.{i}.self_attn.o_proj.weight" for i in layers},
-            "num_attention_heads": HEADS, "num_key_value_heads": 2, "kv_size_multiplier": 2, "fuse_qkv": True,
-            "q_output_size_per_partition": HEAD_DIM, "kv_output_size_per_partition": HEAD_DIM}}
+        sharded = {
+            n: {"kind": "sharded", "partition_dim": d["partition_dim"]}
+            if d["tensor_model_parallel"]
+            else {"kind": "tied", "partition_dim": None}
+            for n, d in m["parameters"].items()
+        }
+        mapping = {
+            f"model.layers.{i}.self_attn.{n}_proj.weight": f"model.layers.{i}.self_attn.qkv_proj.weight_qkv"
+            for i in sorted(layers)
+            for n in "qkv"
+        }
+        pt_meta[p] = {
+            "sharded_metadata": sharded,
+            "gqa_qkv_metadata": {
+                "original_names_to_gqa_qkv_names": mapping,
+                "output_projections_names": {f"model.layers.{i}.self_attn.o_proj.weight" for i in layers},
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": 2,
+                "kv_size_multiplier": 2,
+                "fuse_qkv": True,
+                "q_output_size_per_partition": HEAD_DIM,
+                "kv_output_size_per_partition": HEAD_DIM,
+            },
+        }
     ckpt = write_trainer_checkpoint(tmp_path / "ckpt", shards, meta, pt_metadata=pt_meta)
     config.save_pretrained(ckpt)
     check_output(consolidate_checkpoint(ckpt, tmp_path / "hf"), state)
@@ -363,8 +455,9 @@ def test_query_head_order_matches_hand_computed_layouts():
     # kv heads divisible by tp: plain contiguous split.
     assert [query_head_order(2, r, 8, 4, 1).tolist() for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for tp, kv, mult in [(4, 2, 2), (4, 1, 4)]:
-        assert [query_head_order(tp, r, HEADS, kv, mult).tolist() for r in range(tp)] == \
-            [gqa_query_heads(tp, r, kv, mult) for r in range(tp)]
+        assert [query_head_order(tp, r, HEADS, kv, mult).tolist() for r in range(tp)] == [
+            gqa_query_heads(tp, r, kv, mult) for r in range(tp)
+        ]
 
 
 def test_reading_a_tensor_touches_only_its_pieces(tmp_path, xser_pickling, monkeypatch):

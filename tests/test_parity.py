@@ -19,8 +19,14 @@ GLOBAL_BATCH = 8
 
 def _run(run_dir, world, model, dataset, parallel=None, **train):
     dp = world // (parallel or {}).get("tp", 1) // (parallel or {}).get("pp", 1)
-    job = write_job(run_dir, model, dataset, world=world, parallel=parallel,
-                    train=dict(TRAIN, micro_batch_size=GLOBAL_BATCH // dp, **train))
+    job = write_job(
+        run_dir,
+        model,
+        dataset,
+        world=world,
+        parallel=parallel,
+        train=dict(TRAIN, micro_batch_size=GLOBAL_BATCH // dp, **train),
+    )
     proc = torchrun(job, world, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run_dir
@@ -56,8 +62,12 @@ LAYOUTS = {
     # tp=4 exceeds the tiny model's 2 KV heads: each KV head is replicated on 2 ranks.
     "tp4-gqa": (4, dict(tp=4, sequence_parallel=True)),
     "pp4": (4, dict(pp=4, num_microbatches=4)),
-    "pp2-interleaved-recompute": (2, dict(pp=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
-                                          num_microbatches=4, activation_checkpointing=1)),
+    "pp2-interleaved-recompute": (
+        2,
+        dict(
+            pp=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=4, activation_checkpointing=1
+        ),
+    ),
 }
 
 

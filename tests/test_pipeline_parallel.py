@@ -61,8 +61,15 @@ def _meta_model(layers=6, tied=False):
 
     from neuron_parallel.models.causal_lm import build_meta_model
 
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=256, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        tie_word_embeddings=tied,
+    )
     return build_meta_model(config), config
 
 
@@ -87,8 +94,9 @@ def test_build_stages_even_and_user_splits_keep_hf_names():
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
     assert "model.layers.5.mlp.up_proj.weight" in names and "model.layers.1.mlp.up_proj.weight" not in names
 
-    one = build_stages(full, config, pp_rank=1, pp=2, virtual_stages=1, schedule="1f1b",
-                       layer_split=[4, 2], recompute_every=1)
+    one = build_stages(
+        full, config, pp_rank=1, pp=2, virtual_stages=1, schedule="1f1b", layer_split=[4, 2], recompute_every=1
+    )
     assert _layers(one[0]) == [4, 5] and one[0].last and one[0].recompute_every == 1
     with pytest.raises(ValueError, match="layer_split"):
         build_stages(full, config, pp_rank=0, pp=2, virtual_stages=1, schedule="1f1b", layer_split=[3, 2])
@@ -98,8 +106,13 @@ def test_build_stages_splits_match_parallel_config():
     # ParallelConfig validates the same combinations the builder accepts.
     pc = ParallelConfig(pp=2, pipeline_schedule="zbv", virtual_stages=2, num_microbatches=4)
     full, config = _meta_model(4)
-    stages = [s for r in range(pc.pp) for s in build_stages(
-        full, config, pp_rank=r, pp=pc.pp, virtual_stages=pc.virtual_stages, schedule=pc.pipeline_schedule)]
+    stages = [
+        s
+        for r in range(pc.pp)
+        for s in build_stages(
+            full, config, pp_rank=r, pp=pc.pp, virtual_stages=pc.virtual_stages, schedule=pc.pipeline_schedule
+        )
+    ]
     assert sorted(layer for s in stages for layer in _layers(s)) == list(range(4))
 
 
@@ -107,8 +120,16 @@ def test_runner_rejects_a_stage_count_the_schedule_cannot_run():
     full, config = _meta_model(4)
     stages = build_stages(full, config, pp_rank=0, pp=1, virtual_stages=2, schedule="interleaved_1f1b")
     with pytest.raises(ValueError, match="cannot run 2 stage"):
-        PipelineRunner(stages, [0, 1], 2, pp_group=None, device=torch.device("cpu"), schedule="1f1b",
-                       num_microbatches=2, loss_fn=None)
+        PipelineRunner(
+            stages,
+            [0, 1],
+            2,
+            pp_group=None,
+            device=torch.device("cpu"),
+            schedule="1f1b",
+            num_microbatches=2,
+            loss_fn=None,
+        )
 
 
 # --------------------------------------------------------------------------- torchrun parity
@@ -121,8 +142,10 @@ CASES = {
     "pp4-1f1b": (4, ["--schedule", "1f1b", "--mb", "4"]),
     # 1F1B with activation checkpointing, an uneven user split and gradient accumulation over
     # two step() calls (which torch's own scale_grads=True would get wrong).
-    "pp2-1f1b-recompute-accum": (2, ["--schedule", "1f1b", "--mb", "4", "--recompute", "1",
-                                     "--layer-split", "1,3", "--accum", "2"]),
+    "pp2-1f1b-recompute-accum": (
+        2,
+        ["--schedule", "1f1b", "--mb", "4", "--recompute", "1", "--layer-split", "1,3", "--accum", "2"],
+    ),
     # Interleaved 1F1B, tied embeddings with the first and last stage on different ranks
     # (gradients summed over send/recv).
     "pp2-interleaved-tied": (2, ["--schedule", "interleaved_1f1b", "--virtual-stages", "2", "--mb", "4", "--tied"]),
@@ -139,10 +162,18 @@ FAST = {"pp2-1f1b-recompute-accum", "pp2-zbv-tied"}
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in CASES])
 def test_pipeline_matches_one_process(case):
     nproc, args = CASES[case]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(CHECK), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(CHECK),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     results = re.findall(r"RESULT rank=(\d+) .*?ok=(\w+) max_loss_rel=(\S+) max_weight_diff=(\S+)", proc.stdout)

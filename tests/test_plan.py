@@ -9,8 +9,14 @@ from neuron_parallel.plan import check_plan
 def job(model, **parallel):
     world = parallel.pop("world", None)
     pc = ParallelConfig.for_world(world, **parallel) if world else ParallelConfig(**parallel)
-    return JobConfig(model_path=model, dataset_path="", output_dir="", block_size=32, parallel=pc,
-                     train=TrainConfig(micro_batch_size=4))
+    return JobConfig(
+        model_path=model,
+        dataset_path="",
+        output_dir="",
+        block_size=32,
+        parallel=pc,
+        train=TrainConfig(micro_batch_size=4),
+    )
 
 
 def test_plan_accepts_dp_and_counts_parameters(tiny_world):
@@ -23,12 +29,15 @@ def test_plan_accepts_dp_and_counts_parameters(tiny_world):
     assert plan.layers_per_stage == [4]
 
 
-@pytest.mark.parametrize("parallel, match", [
-    (dict(tp=3), "tp=3 does not divide the model's 4 attention heads; use tp in"),
-    (dict(pp=5, num_microbatches=4), "5 pipeline stages .* exceed the model's 4 layers"),
-    (dict(pp=2, num_microbatches=3), "micro_batch_size=4 is not divisible by parallel.num_microbatches=3"),
-    (dict(pp=2, num_microbatches=1), "num_microbatches=1 is below pp=2"),
-])
+@pytest.mark.parametrize(
+    "parallel, match",
+    [
+        (dict(tp=3), "tp=3 does not divide the model's 4 attention heads; use tp in"),
+        (dict(pp=5, num_microbatches=4), "5 pipeline stages .* exceed the model's 4 layers"),
+        (dict(pp=2, num_microbatches=3), "micro_batch_size=4 is not divisible by parallel.num_microbatches=3"),
+        (dict(pp=2, num_microbatches=1), "num_microbatches=1 is below pp=2"),
+    ],
+)
 def test_bad_plans_name_the_fix(tiny_world, parallel, match):
     with pytest.raises(ValueError, match=match):
         check_plan(job(tiny_world["model"], **parallel))

@@ -11,8 +11,16 @@ from neuron_parallel.memory import ModelShape, max_bucket, model_states_bytes, s
 from neuron_parallel.planner import plan
 
 # Public shapes (Hugging Face config.json of meta-llama/Llama-3.1-8B and -70B).
-LLAMA_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
 
 
@@ -28,8 +36,16 @@ def plans_trn1():
 
 
 def _published(report, tp, pp, dp):
-    return [c for c in report.plans if c.valid and (c.tp, c.pp, c.dp) == (tp, pp, dp) and c.zero_1
-            and c.sequence_parallel and c.activation_checkpointing and c.pipeline_schedule == "1f1b"]
+    return [
+        c
+        for c in report.plans
+        if c.valid
+        and (c.tp, c.pp, c.dp) == (tp, pp, dp)
+        and c.zero_1
+        and c.sequence_parallel
+        and c.activation_checkpointing
+        and c.pipeline_schedule == "1f1b"
+    ]
 
 
 def test_zero_paper_test_vector():
@@ -72,8 +88,10 @@ def test_hardware_catalog(tmp_path):
     assert (cpu.ranks_per_node, cpu.backend) == (2, "gloo") and cpu.memory_per_rank > 0
     assert {"trn1.32xlarge", "trn2.48xlarge", "trn3", "p5.48xlarge", "h200x8", "cpu"} <= set(hardware_names())
     path = tmp_path / "trn1n.yaml"
-    path.write_text("ranks_per_node: 32\nmemory_per_rank: 16GiB\npeak_flops_per_rank: 95e12\n"
-                    "intra_node_bw: 384GiB\ninter_node_bw: 200e9\ndevice: neuron\n")
+    path.write_text(
+        "ranks_per_node: 32\nmemory_per_rank: 16GiB\npeak_flops_per_rank: 95e12\n"
+        "intra_node_bw: 384GiB\ninter_node_bw: 200e9\ndevice: neuron\n"
+    )
     spec = load_hardware(path)
     assert spec.name == "trn1n" and spec.memory_per_rank == 16 * GiB and get_hardware("trn1n") is spec
     trn1n = get_hardware("trn1n.32xlarge")  # configs/hardware/trn1n.32xlarge.yaml
@@ -90,8 +108,11 @@ def test_llama_8b_on_32_trn1(plans_trn1):
     # The published configuration: TP32, DP32, ZeRO-1 (with SP and recompute, as published runs use).
     published = _published(report, 32, 1, 32)
     assert published and all(c.fits for c in published)
-    assert any(c.fits for c in report.plans if (c.tp, c.pp, c.dp, c.zero_1) == (32, 1, 32, True)
-               and not c.activation_checkpointing)
+    assert any(
+        c.fits
+        for c in report.plans
+        if (c.tp, c.pp, c.dp, c.zero_1) == (32, 1, 32, True) and not c.activation_checkpointing
+    )
     assert "KV heads replicated 4x" in published[0].notes[0]
     # Per-rank breakdown and step time are there, and MFU is plausible.
     assert {"params", "grads", "optimizer", "activations", "loss", "allocator_margin", "total"} <= set(best.memory)
@@ -113,8 +134,14 @@ def test_llama_70b_on_32_trn1(plans_trn1):
     published = _published(report, 32, 8, 4)
     assert published and all(c.fits for c in published)
     # Without recompute the same split does not fit: the activations of 8 in-flight microbatches.
-    bare = [c for c in report.plans if (c.tp, c.pp, c.dp) == (32, 8, 4) and not c.activation_checkpointing
-            and c.pipeline_schedule == "1f1b" and c.valid]
+    bare = [
+        c
+        for c in report.plans
+        if (c.tp, c.pp, c.dp) == (32, 8, 4)
+        and not c.activation_checkpointing
+        and c.pipeline_schedule == "1f1b"
+        and c.valid
+    ]
     assert bare and not any(c.fits for c in bare) and "activations" in bare[0].reason
 
 
@@ -136,8 +163,21 @@ def test_constraints_name_the_reason():
 
 def test_pipeline_memory_follows_the_schedule():
     shape = ModelShape.from_config(LLAMA_8B)
-    kw = dict(tp=8, pp=4, dp=1, zero_1=False, sp=True, recompute=0, micro_batch=1, seq_len=4096,
-              num_microbatches=16, grad_accum=1, virtual_stages=1, precision="bf16", layers=[8] * 4)
+    kw = dict(
+        tp=8,
+        pp=4,
+        dp=1,
+        zero_1=False,
+        sp=True,
+        recompute=0,
+        micro_batch=1,
+        seq_len=4096,
+        num_microbatches=16,
+        grad_accum=1,
+        virtual_stages=1,
+        precision="bf16",
+        layers=[8] * 4,
+    )
     one_f = stage_memory(shape, schedule="1f1b", pp_rank=0, **kw)
     gpipe = stage_memory(shape, schedule="gpipe", pp_rank=0, **kw)
     last = stage_memory(shape, schedule="1f1b", pp_rank=3, **kw)
@@ -149,13 +189,17 @@ def test_tiny_cpu_best_plan_passes_check_plan(tiny_world):
     from neuron_parallel.config import JobConfig, TrainConfig
     from neuron_parallel.plan import check_plan
 
-    report = plan(tiny_world["model"], get_hardware("cpu", 2), nodes=1, seq_len=128, global_batch=16,
-                  precision="fp32")
+    report = plan(tiny_world["model"], get_hardware("cpu", 2), nodes=1, seq_len=128, global_batch=16, precision="fp32")
     assert report.feasible
     for c in [report.best] + [c for c in report.plans if c.fits]:
-        job = JobConfig(model_path=tiny_world["model"], dataset_path="", output_dir="", block_size=128,
-                        parallel=c.to_parallel_config(),
-                        train=TrainConfig(micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum))
+        job = JobConfig(
+            model_path=tiny_world["model"],
+            dataset_path="",
+            output_dir="",
+            block_size=128,
+            parallel=c.to_parallel_config(),
+            train=TrainConfig(micro_batch_size=c.micro_batch_size, grad_accum=c.grad_accum),
+        )
         checked = check_plan(job)
         assert checked.world_size == 2 and checked.global_batch_size == 16
         assert job.parallel.mixed_precision == "fp32"
@@ -165,22 +209,68 @@ def test_cli_plan_json(tmp_path, capsys):
     from flows.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    args = ["plan", "--model", str(tmp_path), "--hardware", "trn1.32xlarge", "--nodes", "1", "--seq-len", "8192",
-            "--global-batch", "1024", "--json"]
+    args = [
+        "plan",
+        "--model",
+        str(tmp_path),
+        "--hardware",
+        "trn1.32xlarge",
+        "--nodes",
+        "1",
+        "--seq-len",
+        "8192",
+        "--global-batch",
+        "1024",
+        "--json",
+    ]
     assert main(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] is False and out["plans"] and "at least 3 nodes" in out["reason"]
-    keys = {"tp", "pp", "dp", "zero_1", "sequence_parallel", "num_microbatches", "activation_checkpointing",
-            "memory_per_rank_bytes", "fits", "tokens_per_s", "memory", "reason"}
+    keys = {
+        "tp",
+        "pp",
+        "dp",
+        "zero_1",
+        "sequence_parallel",
+        "num_microbatches",
+        "activation_checkpointing",
+        "memory_per_rank_bytes",
+        "fits",
+        "tokens_per_s",
+        "memory",
+        "reason",
+    }
     assert all(keys <= set(p) and p["reason"] for p in out["plans"])
-    assert main(["plan", "--model", json.dumps(LLAMA_8B), "--hardware", "h200x8", "--nodes", "1",
-                 "--seq-len", "4096", "--global-batch", "64"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                json.dumps(LLAMA_8B),
+                "--hardware",
+                "h200x8",
+                "--nodes",
+                "1",
+                "--seq-len",
+                "4096",
+                "--global-batch",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert "feasible: True" in capsys.readouterr().out
 
 
 def test_pinned_fields_restrict_the_search():
-    report = plan(LLAMA_8B, "trn2.48xlarge", nodes=1, seq_len=4096, global_batch=64,
-                  fixed={"tp": 8, "zero_1": True, "activation_checkpointing": 2})
+    report = plan(
+        LLAMA_8B,
+        "trn2.48xlarge",
+        nodes=1,
+        seq_len=4096,
+        global_batch=64,
+        fixed={"tp": 8, "zero_1": True, "activation_checkpointing": 2},
+    )
     assert report.feasible and report.plans
     assert {(c.tp, c.zero_1, c.activation_checkpointing) for c in report.plans if c.valid} == {(8, True, 2)}
     with pytest.raises(ValueError, match="cannot pin"):
@@ -190,8 +280,16 @@ def test_pinned_fields_restrict_the_search():
 def _auto_config(tiny_world, *overrides):
     from tasks.config import FinetuneConfig
 
-    return FinetuneConfig.load(None, [f"model.name_or_path={tiny_world['model']}", "launch.nproc_per_node=4",
-                                      "data.block_size=32", "train.global_batch_size=8", *overrides])
+    return FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            "launch.nproc_per_node=4",
+            "data.block_size=32",
+            "train.global_batch_size=8",
+            *overrides,
+        ],
+    )
 
 
 def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
@@ -199,28 +297,45 @@ def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
 
     free, report = resolve_layout(_auto_config(tiny_world), tiny_world["model"])
     best = report.best
-    assert (free.parallel.tp, free.parallel.pp, free.parallel.dp, free.parallel.zero_1) == (best.tp, best.pp, best.dp,
-                                                                                             best.zero_1)
+    assert (free.parallel.tp, free.parallel.pp, free.parallel.dp, free.parallel.zero_1) == (
+        best.tp,
+        best.pp,
+        best.dp,
+        best.zero_1,
+    )
     assert free.micro_batch_size * free.grad_accum * free.parallel.dp == free.global_batch_size == 8
     assert free.predicted_memory_bytes == best.memory_per_rank_bytes and "chosen by the planner" in free.notes[-1]
     pinned, report = resolve_layout(_auto_config(tiny_world, "parallel.tp=2", "parallel.pp=2"), tiny_world["model"])
     assert (pinned.parallel.tp, pinned.parallel.pp, pinned.parallel.dp) == (2, 2, 1)
     assert pinned.parallel.num_microbatches >= 2 and pinned.global_batch_size == 8
     assert all((c.tp, c.pp) == (2, 2) for c in report.plans)
-    fixed, report = resolve_layout(_auto_config(tiny_world, "parallel.tp=1", "parallel.pp=1", "parallel.zero_1=false",
-                                                "parallel.sequence_parallel=false", "parallel.num_microbatches=1",
-                                                "parallel.pipeline_schedule=1f1b", "parallel.virtual_stages=1",
-                                                "parallel.activation_checkpointing=0", "train.global_batch_size=null",
-                                                "train.micro_batch_size=2"), tiny_world["model"])
+    fixed, report = resolve_layout(
+        _auto_config(
+            tiny_world,
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.zero_1=false",
+            "parallel.sequence_parallel=false",
+            "parallel.num_microbatches=1",
+            "parallel.pipeline_schedule=1f1b",
+            "parallel.virtual_stages=1",
+            "parallel.activation_checkpointing=0",
+            "train.global_batch_size=null",
+            "train.micro_batch_size=2",
+        ),
+        tiny_world["model"],
+    )
     assert report is None and fixed.parallel.dp == 4 and fixed.global_batch_size == 8
 
 
 def test_auto_layout_that_cannot_fit_says_why_before_launch(tiny_world, tmp_path):
     from tasks.config import resolve_layout
 
-    (tmp_path / "small.yaml").write_text("name: small\nranks_per_node: 4\nmemory_per_rank: 1MiB\n"
-                                         "peak_flops_per_rank: 1e12\nintra_node_bw: 1e10\ninter_node_bw: 1e9\n"
-                                         "device: cpu\n")
+    (tmp_path / "small.yaml").write_text(
+        "name: small\nranks_per_node: 4\nmemory_per_rank: 1MiB\n"
+        "peak_flops_per_rank: 1e12\nintra_node_bw: 1e10\ninter_node_bw: 1e9\n"
+        "device: cpu\n"
+    )
     config = _auto_config(tiny_world, f"launch.hardware={tmp_path / 'small.yaml'}")
     with pytest.raises(ValueError, match=r"no parallel layout fits: no layout fits 0\.0 GiB per small rank"):
         resolve_layout(config, tiny_world["model"])
@@ -238,11 +353,33 @@ def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"),
-         "--set", f"model.name_or_path={tiny_world['model']}", "--set", f"data.source={tiny_world['corpus']}",
-         "--set", f"data.cache_dir={tmp_path / 'datasets'}", "--set", "train.max_steps=3", "--set", "train.save_every=0",
-         "--set", "train.profile_memory=true", "--set", f"output.dir={run}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            str(ROOT / "configs/tiny-llama-cpu.yaml"),
+            "--set",
+            f"model.name_or_path={tiny_world['model']}",
+            "--set",
+            f"data.source={tiny_world['corpus']}",
+            "--set",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.save_every=0",
+            "--set",
+            "train.profile_memory=true",
+            "--set",
+            f"output.dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     chosen = next(line for line in proc.stdout.splitlines() if line.startswith("plan: chosen by the planner for cpu"))
     planned_total = float(chosen.rsplit("predicted ", 1)[1].split()[0]) * 2**30
@@ -258,8 +395,9 @@ def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path
 def test_layer_split_pins_the_stage_count(tiny_world):
     from tasks.config import resolve_layout
 
-    chosen, _ = resolve_layout(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"),
-                               tiny_world["model"])
+    chosen, _ = resolve_layout(
+        _auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"), tiny_world["model"]
+    )
     assert chosen.parallel.virtual_stages == 1 and chosen.layers_per_stage == [1, 3]
     with pytest.raises(ValueError, match=r"layer_split=\[1, 2\] must be 2 positive counts"):
         resolve_layout(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,2]"), tiny_world["model"])

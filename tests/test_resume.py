@@ -19,17 +19,33 @@ from .conftest import ROOT, read_metrics, torchrun, write_job
 
 
 def _launch(job, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "neuron_parallel.train", str(job)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "neuron_parallel.train",
+        str(job),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
 
 
 def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tiny_dataset, tmp_path):
     train = dict(max_steps=40, save_every=10, keep_checkpoints=2, micro_batch_size=4, lr=2e-3, warmup_steps=2)
     ref_job = write_job(tmp_path / "ref", tiny_world["model"], tiny_dataset.path, world=2, train=train)
-    job = write_job(tmp_path / "run", tiny_world["model"], tiny_dataset.path, world=2,
-                    train=dict(train, async_save=True))
+    job = write_job(
+        tmp_path / "run", tiny_world["model"], tiny_dataset.path, world=2, train=dict(train, async_save=True)
+    )
     proc = _launch(job, 2)
     deadline = time.monotonic() + 240
     while not (tmp_path / "run/checkpoint-10/COMPLETE").exists():

@@ -54,12 +54,23 @@ class Service:
         self.ui = f"http://127.0.0.1:{self.port}"
         self.api = f"{self.ui}/api"
         self.home = home
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "2",
-               "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_LOGGING_LEVEL": "INFO"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+        }
         env.pop("PREFECT_API_URL", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "serve", "--port", str(self.port), "--home", str(home)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -92,8 +103,10 @@ class Service:
 
     def run_deployment(self, name: str, config: dict, job_variables: dict | None = None) -> dict:
         dep = self.deployment(name)
-        r = self.http.post(f"/deployments/{dep['id']}/create_flow_run",
-                           json={"parameters": {"config": config}, "job_variables": job_variables or {}})
+        r = self.http.post(
+            f"/deployments/{dep['id']}/create_flow_run",
+            json={"parameters": {"config": config}, "job_variables": job_variables or {}},
+        )
         r.raise_for_status()
         return r.json()
 
@@ -109,12 +122,16 @@ class Service:
             if run["state"]["type"] in states:
                 return run
             time.sleep(1)
-        raise AssertionError(f"flow run {run_id} still {run['state']['name']} after {timeout:.0f} s; serve output:\n"
-                             + "\n".join(self.lines[-40:]))
+        raise AssertionError(
+            f"flow run {run_id} still {run['state']['name']} after {timeout:.0f} s; serve output:\n"
+            + "\n".join(self.lines[-40:])
+        )
 
     def task_runs(self, run_id: str) -> dict[str, dict]:
         """The latest task run of each task of the flow run, by task name (tokenize, plan, ...)."""
-        r = self.http.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"})
+        r = self.http.post(
+            "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}
+        )
         r.raise_for_status()
         latest = {}
         for t in sorted(r.json(), key=lambda t: t["created"]):
@@ -124,8 +141,15 @@ class Service:
     def logs(self, run_id: str) -> list[str]:
         out, offset = [], 0
         while True:
-            r = self.http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
-                                                     "offset": offset, "sort": "TIMESTAMP_ASC"})
+            r = self.http.post(
+                "/logs/filter",
+                json={
+                    "logs": {"flow_run_id": {"any_": [run_id]}},
+                    "limit": 200,
+                    "offset": offset,
+                    "sort": "TIMESTAMP_ASC",
+                },
+            )
             r.raise_for_status()
             page = [log["message"] for log in r.json()]
             out += page
@@ -164,10 +188,13 @@ def _run_dir(svc: Service, run: dict) -> Path:
 
 def _small(tiny: dict | None = None, **train) -> dict:
     """Deployment parameters for a short run (what a user would type into the form)."""
-    return {"launch": {"device": "cpu", "nproc_per_node": 2, "retries": 0},
-            "data": {"block_size": 32},
-            "train": {"max_steps": 8, "save_every": 4, "micro_batch_size": 4, "lr": 3e-3, **train},
-            "output": {"dir": ".runs/{flow_run_name}"}, **(tiny or {})}
+    return {
+        "launch": {"device": "cpu", "nproc_per_node": 2, "retries": 0},
+        "data": {"block_size": 32},
+        "train": {"max_steps": 8, "save_every": 4, "micro_batch_size": 4, "lr": 3e-3, **train},
+        "output": {"dir": ".runs/{flow_run_name}"},
+        **(tiny or {}),
+    }
 
 
 def test_serve_registers_the_deployments(service):
@@ -204,9 +231,19 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
         page.context.route("**/*", gate)
         page.goto(f"{service.ui}/deployments/deployment/{dep['id']}", wait_until="networkidle")
@@ -220,8 +257,10 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
             toast.wait_for(timeout=60_000)
         except Exception:
             page.screenshot(path=str(SCREENSHOTS / "ui-quick-run-failed.png"), full_page=True)
-            raise AssertionError("no confirmation after Quick run (screenshot ui-quick-run-failed.png); server:\n"
-                                 + "\n".join(service.lines[-30:])) from None
+            raise AssertionError(
+                "no confirmation after Quick run (screenshot ui-quick-run-failed.png); server:\n"
+                + "\n".join(service.lines[-30:])
+            ) from None
         name = toast.inner_text().split(" scheduled to start")[0].strip().split()[-1]
         new = service.http.post("/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}).json()
         assert new and new[0]["id"] not in before, (name, new)
@@ -257,8 +296,12 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
     from flows.serve import load_spec, register
 
     local = next(d for d in load_spec()["deployments"] if d["name"] == "local")
-    every_minute = {**local, "name": "every-minute", "parameters": {"config": _small()},
-                    "schedules": [{"cron": "* * * * *", "timezone": "UTC"}]}
+    every_minute = {
+        **local,
+        "name": "every-minute",
+        "parameters": {"config": _small()},
+        "schedules": [{"cron": "* * * * *", "timezone": "UTC"}],
+    }
     with temporary_settings({PREFECT_API_URL: service.api}):
         asyncio.run(register({"deployments": [every_minute]}))
     dep = service.deployment("every-minute")
@@ -266,8 +309,10 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
         deadline = time.monotonic() + 240
         runs = []
         while time.monotonic() < deadline and not runs:
-            runs = service.http.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [dep["id"]]}},
-                                                                "sort": "EXPECTED_START_TIME_ASC"}).json()
+            runs = service.http.post(
+                "/flow_runs/filter",
+                json={"deployments": {"id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"},
+            ).json()
             time.sleep(2)
         assert runs, "the schedule created no run"
         first = runs[0]
@@ -296,10 +341,13 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
     with LocalHub(tmp_path / "hub", users={token: "alice"}) as hub:
         with temporary_settings({PREFECT_API_URL: service.api}):
             Secret(value=token).save("hf-token-test", overwrite=True)
-        crashing = service.run_deployment("local", _small(),
-                                          job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}})
-        clean = service.run_deployment("local", {**_small(), "hub": {"repo_id": "alice/tiny-ft", "endpoint": hub.url,
-                                                                     "token_secret": "hf-token-test"}})
+        crashing = service.run_deployment(
+            "local", _small(), job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}}
+        )
+        clean = service.run_deployment(
+            "local",
+            {**_small(), "hub": {"repo_id": "alice/tiny-ft", "endpoint": hub.url, "token_secret": "hf-token-test"}},
+        )
         failed = service.wait(crashing["id"])
         assert failed["state"]["type"] == "FAILED", failed["state"]
         crash_dir = _run_dir(service, crashing)
@@ -308,8 +356,10 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
         assert first_tasks["train"]["state"]["type"] == "FAILED"
 
         # The UI's Retry button.
-        r = service.http.post(f"/flow_runs/{crashing['id']}/set_state",
-                              json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True})
+        r = service.http.post(
+            f"/flow_runs/{crashing['id']}/set_state",
+            json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True},
+        )
         assert r.status_code in (200, 201), r.text
         retried = service.wait(crashing["id"], states={"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
         deadline = time.monotonic() + 420  # the first wait may see the old FAILED state before the retry starts
@@ -352,8 +402,11 @@ def test_cancel_ends_the_whole_process_tree(service):
     deadline = time.monotonic() + 300
     ranks: list[int] = []
     while time.monotonic() < deadline and len(ranks) < 2:
-        ranks = [pid for pid, cmd in _processes() if "neuron_parallel.train" in cmd and job in cmd
-                 and "torch.distributed.run" not in cmd]
+        ranks = [
+            pid
+            for pid, cmd in _processes()
+            if "neuron_parallel.train" in cmd and job in cmd and "torch.distributed.run" not in cmd
+        ]
         time.sleep(1)
     assert len(ranks) == 2, "the training ranks never started"
     tree = [pid for pid, cmd in _processes() if job in cmd]

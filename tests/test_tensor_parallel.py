@@ -38,10 +38,18 @@ CASES = {
 
 
 def run_check(nproc: int, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "dist_tp_check.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "tests" / "dist_tp_check.py"),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -52,9 +60,10 @@ def run_check(nproc: int, args: list[str]) -> dict:
 FAST = {"qwen3_tp2_sp_one_kv_head_bias"}
 
 
-@pytest.mark.parametrize("nproc,args", [
-    pytest.param(*case, id=name, marks=() if name in FAST else pytest.mark.slow) for name, case in CASES.items()
-])
+@pytest.mark.parametrize(
+    "nproc,args",
+    [pytest.param(*case, id=name, marks=() if name in FAST else pytest.mark.slow) for name, case in CASES.items()],
+)
 def test_tp_training_matches_one_process(nproc, args):
     r = run_check(nproc, args)
     assert len(r["losses"]) == 3
@@ -76,8 +85,14 @@ def test_tp_training_matches_one_process(nproc, args):
 def meta_stage(**overrides) -> CausalLMStage:
     from transformers import LlamaConfig
 
-    shape = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=256)
+    shape = dict(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     full = build_meta_model(LlamaConfig(**{**shape, **overrides}))
     return CausalLMStage(full, range(1), first=True, last=True)
 

@@ -33,8 +33,13 @@ def dp2_run(tiny_world, tiny_dataset, tmp_path_factory):
 
 
 def test_dp2_equals_one_rank_with_the_same_global_batch(dp2_run, tiny_world, tiny_dataset, tmp_path):
-    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=1,
-                    train=dict(TRAIN, micro_batch_size=4, grad_accum=2, save_every=0))
+    job = write_job(
+        tmp_path,
+        tiny_world["model"],
+        tiny_dataset.path,
+        world=1,
+        train=dict(TRAIN, micro_batch_size=4, grad_accum=2, save_every=0),
+    )
     proc = torchrun(job, 1)
     assert proc.returncode == 0, proc.stderr
     one, two = read_metrics(tmp_path), read_metrics(dp2_run)
@@ -67,8 +72,7 @@ def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_datase
 def test_checkpoint_is_valid_and_consolidates_to_the_trained_model(dp2_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from neuron_parallel.models.causal_lm import (
-        CausalLMStage, build_meta_model, load_config, load_weights, materialize)
+    from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, load_config, load_weights, materialize
 
     ckpt = list_checkpoints(dp2_run)[-1]
     assert validate_checkpoint(ckpt) == []
@@ -135,8 +139,9 @@ def test_corruption_is_named_and_resume_falls_back(dp2_run, tmp_path, how):
     expect, path = _corrupt_copy(ckpts[-1], run / ckpts[-1].name, how)
     problems = validate_checkpoint(run / ckpts[-1].name)
     assert any(str(path) in p and expect in p for p in problems), problems
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(run / ckpts[-1].name)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "validate", str(run / ckpts[-1].name)], capture_output=True, text=True
+    )
     assert proc.returncode == 1 and str(path) in proc.stdout
     chosen, skipped = find_resume_checkpoint(run)
     assert chosen == run / ckpts[-2].name
@@ -154,8 +159,14 @@ class _no_raise:
 
 
 def test_bf16_compute_with_fp32_master_weights_tracks_fp32(dp2_run, tiny_world, tiny_dataset, tmp_path):
-    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2,
-                    parallel=dict(mixed_precision="bf16"), train=dict(TRAIN, micro_batch_size=4))
+    job = write_job(
+        tmp_path,
+        tiny_world["model"],
+        tiny_dataset.path,
+        world=2,
+        parallel=dict(mixed_precision="bf16"),
+        train=dict(TRAIN, micro_batch_size=4),
+    )
     proc = torchrun(job, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     bf16, fp32 = read_metrics(tmp_path), read_metrics(dp2_run)

@@ -30,7 +30,13 @@ from .tensors import CheckpointTensors, dtype_from_name
 from .validate import validate_checkpoint
 
 BLOCK_BYTES = 32 << 20  # rows copied per write: memory stays near this, not the largest tensor
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -57,7 +63,17 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"cannot read size {text!r}; write e.g. 500MB, 5GB or 2GiB")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    scale = {
+        "B": 1,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     return int(value * scale[unit])
 
 
@@ -178,7 +194,7 @@ def _write_safetensors(path: Path, items, source: TensorSource) -> int:
                 # handed to write() as a buffer rather than copied into a bytes object first.
                 view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 while view:
-                    view = view[f.write(view):]
+                    view = view[f.write(view) :]
                 del t
         os.fsync(f.fileno())
     tmp.rename(path)
@@ -201,8 +217,9 @@ def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> Ten
     return ManifestSource(ckpt, model_dir)
 
 
-def write_hf_dir(source: TensorSource, output_dir: str | Path, *, fmt: str = "safetensors",
-                 max_shard_size: str | int = "5GB") -> Path:
+def write_hf_dir(
+    source: TensorSource, output_dir: str | Path, *, fmt: str = "safetensors", max_shard_size: str | int = "5GB"
+) -> Path:
     """Stream ``source`` into a Hugging Face model directory (one tensor in memory at a time for
     safetensors; ``pytorch`` builds one state dict, as ``torch.save`` needs)."""
     if fmt not in ("safetensors", "pytorch"):
@@ -211,7 +228,9 @@ def write_hf_dir(source: TensorSource, output_dir: str | Path, *, fmt: str = "sa
     plan = source.plan()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin")):
+    for stale in (
+        list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin"))
+    ):
         stale.unlink()
 
     if fmt == "pytorch":

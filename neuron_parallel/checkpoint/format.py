@@ -92,7 +92,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def load(cls, ckpt_dir: str | Path) -> "Manifest":
+    def load(cls, ckpt_dir: str | Path) -> Manifest:
         path = Path(ckpt_dir) / MANIFEST
         raw = json.loads(path.read_text())
         if raw.get("format") != FORMAT_NAME:

@@ -29,28 +29,28 @@ permutation of the GQA QKV layer) follow the metadata the trainer wrote.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .format import HF_FILES
 from .neuronx_layout import (
-    DONE,
-    _METADATA,
-    _load,
-    _RankFile,
-    _Param,
-    _Fused,
     _GQA,
-    _Stage,
-    query_head_order,
-    _locate_files,
+    _METADATA,
+    DONE,
     _find_config,
+    _Fused,
+    _load,
+    _locate_files,
+    _Param,
+    _RankFile,
+    _Stage,
     _vocab_trimmed,
+    query_head_order,
 )
 from .validate import expected_shapes
-
 
 _Entry = tuple[str, list[int], torch.dtype, Callable[[], torch.Tensor]]
 
@@ -74,7 +74,9 @@ class NeuronxCheckpoint:
         metadata = self._read_metadata() if self.layout == "trainer" else {}
         self.tp, self.pp = self._check_grid(files, metadata)
         self._refuse_if_any()
-        self.stages = [self._build_stage(p, [files[t, p] for t in range(self.tp)], metadata.get(p)) for p in range(self.pp)]
+        self.stages = [
+            self._build_stage(p, [files[t, p] for t in range(self.tp)], metadata.get(p)) for p in range(self.pp)
+        ]
         self._refuse_if_any()
         self._entries = self._plan_all()
         self._refuse_if_any()
@@ -99,7 +101,8 @@ class NeuronxCheckpoint:
         if not (self.shards / DONE).is_file():
             self._problems.append(
                 f"{self.shards / DONE}: missing (neuronx-distributed writes it once every rank has saved; "
-                "the save did not finish)")
+                "the save did not finish)"
+            )
         found: dict[int, Path] = {}
         for p in sorted(self.shards.iterdir()):
             m = _METADATA.match(p.name)
@@ -117,7 +120,9 @@ class NeuronxCheckpoint:
     def _check_grid(self, files: dict[tuple[int, int], Path], metadata: dict[int, Any]) -> tuple[int, int]:
         if not files:
             where = self.shards / "model" if self.layout == "trainer" else self.shards
-            self._problems.append(f"{where}: no rank files (dp_rank_00_tp_rank_XX_pp_rank_YY.pt or tp_rank_XX_pp_rank_YY/)")
+            self._problems.append(
+                f"{where}: no rank files (dp_rank_00_tp_rank_XX_pp_rank_YY.pt or tp_rank_XX_pp_rank_YY/)"
+            )
             return 0, 0
         tp = max(t for t, _ in files) + 1
         pp = max([p for _, p in files] + [p for p in metadata]) + 1
@@ -127,7 +132,9 @@ class NeuronxCheckpoint:
         for t in range(tp):
             for p in range(pp):
                 if (t, p) not in files:
-                    self._problems.append(f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})")
+                    self._problems.append(
+                        f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})"
+                    )
         if self.layout == "trainer":
             for p in range(pp):
                 if p not in self._metadata_files:
@@ -155,7 +162,9 @@ class NeuronxCheckpoint:
             missing = r.missing_tensor_files()
             if missing:
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                self._problems.append(", ".join(str(m) for m in missing[:3]) + f"{more}: missing (xser tensors of {r.path})")
+                self._problems.append(
+                    ", ".join(str(m) for m in missing[:3]) + f"{more}: missing (xser tensors of {r.path})"
+                )
         keys = ranks[0].keys()
         for r in ranks[1:]:
             if set(r.keys()) != set(keys):
@@ -182,30 +191,44 @@ class NeuronxCheckpoint:
                     continue
                 if spec.get("tp_size", self.tp) != self.tp:
                     self._problems.append(
-                        f"{prefix}: {cls_name} recorded tp_size={spec['tp_size']}, the rank files say tp={self.tp}")
+                        f"{prefix}: {cls_name} recorded tp_size={spec['tp_size']}, the rank files say tp={self.tp}"
+                    )
                     continue
                 params = ["weight", "bias"] if spec.get("bias") else ["weight"]
                 if cls_name == "FusedLinearsSpec":
                     axis = {"column": 0, "row": 1}.get(spec["fuse_axis"], spec["fuse_axis"])
                     for param in params:
-                        stage.fused.append(_Fused(
-                            key=f"{prefix}.{spec['fused_linear_name']}.{param}",
-                            outputs=[f"{prefix}.{n}.{param}" for n in spec["linear_names"]],
-                            dims=[int(d) for d in spec["original_dims"]], axis=0 if param == "bias" else int(axis),
-                            tp=self.tp))
+                        stage.fused.append(
+                            _Fused(
+                                key=f"{prefix}.{spec['fused_linear_name']}.{param}",
+                                outputs=[f"{prefix}.{n}.{param}" for n in spec["linear_names"]],
+                                dims=[int(d) for d in spec["original_dims"]],
+                                axis=0 if param == "bias" else int(axis),
+                                tp=self.tp,
+                            )
+                        )
                 elif cls_name == "GQAQKVColumnParallelLinearSpec":
                     qkv = f"{prefix}.{spec['gqa_qkv_projection_name']}"
                     for param in params:
-                        sources = (f"{qkv}.{param}_qkv",) if spec["fuse_qkv"] else tuple(f"{qkv}.{param}_{s}" for s in "qkv")
-                        stage.gqa.append(_GQA(
-                            sources=sources,
-                            q=f"{prefix}.{spec['query_projection_name']}.{param}",
-                            k=f"{prefix}.{spec['key_projection_name']}.{param}",
-                            v=f"{prefix}.{spec['value_projection_name']}.{param}",
-                            o=f"{prefix}.{spec['output_projection_name']}.weight" if param == "weight" else None,
-                            num_heads=int(spec["num_attention_heads"]), num_kv_heads=int(spec["num_key_value_heads"]),
-                            kv_mult=int(spec["kv_size_multiplier"]), q_rows=spec.get("q_output_size_per_partition"),
-                            kv_rows=spec.get("kv_output_size_per_partition"), permuted=True, tp=self.tp))
+                        sources = (
+                            (f"{qkv}.{param}_qkv",) if spec["fuse_qkv"] else tuple(f"{qkv}.{param}_{s}" for s in "qkv")
+                        )
+                        stage.gqa.append(
+                            _GQA(
+                                sources=sources,
+                                q=f"{prefix}.{spec['query_projection_name']}.{param}",
+                                k=f"{prefix}.{spec['key_projection_name']}.{param}",
+                                v=f"{prefix}.{spec['value_projection_name']}.{param}",
+                                o=f"{prefix}.{spec['output_projection_name']}.weight" if param == "weight" else None,
+                                num_heads=int(spec["num_attention_heads"]),
+                                num_kv_heads=int(spec["num_key_value_heads"]),
+                                kv_mult=int(spec["kv_size_multiplier"]),
+                                q_rows=spec.get("q_output_size_per_partition"),
+                                kv_rows=spec.get("kv_output_size_per_partition"),
+                                permuted=True,
+                                tp=self.tp,
+                            )
+                        )
                 else:
                     self._problems.append(f"{prefix}: transformation {cls_name} is not supported")
 
@@ -238,12 +261,22 @@ class NeuronxCheckpoint:
             prefix = roles["q"].rsplit(".", 2)[0] + "."
             o = next((n for n in sorted(outputs) if n.startswith(prefix) and n.endswith(".weight")), None)
             fused = base in mapping.values()
-            stage.gqa.append(_GQA(
-                sources=(base,) if fused else tuple(f"{base}_{s}" for s in "qkv"), q=roles["q"], k=roles["k"], v=roles["v"],
-                o=o if roles["q"].endswith(".weight") else None,
-                num_heads=int(gqa["num_attention_heads"]), num_kv_heads=int(gqa["num_key_value_heads"]),
-                kv_mult=int(gqa.get("kv_size_multiplier") or 1), q_rows=gqa.get("q_output_size_per_partition"),
-                kv_rows=gqa.get("kv_output_size_per_partition"), permuted="output_projections_names" in gqa, tp=self.tp))
+            stage.gqa.append(
+                _GQA(
+                    sources=(base,) if fused else tuple(f"{base}_{s}" for s in "qkv"),
+                    q=roles["q"],
+                    k=roles["k"],
+                    v=roles["v"],
+                    o=o if roles["q"].endswith(".weight") else None,
+                    num_heads=int(gqa["num_attention_heads"]),
+                    num_kv_heads=int(gqa["num_key_value_heads"]),
+                    kv_mult=int(gqa.get("kv_size_multiplier") or 1),
+                    q_rows=gqa.get("q_output_size_per_partition"),
+                    kv_rows=gqa.get("kv_output_size_per_partition"),
+                    permuted="output_projections_names" in gqa,
+                    tp=self.tp,
+                )
+            )
 
     # -- planning: one entry (shape, dtype, reader) per Hugging Face tensor ------------------------
     def _plan_all(self) -> dict[str, _Entry]:
@@ -262,7 +295,8 @@ class NeuronxCheckpoint:
             if missing:
                 self._problems.append(
                     f"{len(missing)} tensors of the model in config.json are in no rank file "
-                    f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a pipeline stage or rank is missing")
+                    f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a pipeline stage or rank is missing"
+                )
             for name, (_, shape, _, _) in entries.items():
                 if name in expected and expected[name] != shape:
                     self._problems.append(f"{name}: consolidates to {shape}, config.json says {expected[name]}")
@@ -300,7 +334,9 @@ class NeuronxCheckpoint:
         shape, dtype = stage.ranks[0].meta(key)
         for r in stage.ranks[1:]:
             if r.meta(key) != (shape, dtype):
-                self._problems.append(f"{r.path}: {key} is {r.meta(key)[0]} {r.meta(key)[1]}, tp_rank 0 has {shape} {dtype}")
+                self._problems.append(
+                    f"{r.path}: {key} is {r.meta(key)[0]} {r.meta(key)[1]}, tp_rank 0 has {shape} {dtype}"
+                )
         return list(shape), dtype
 
     def _plain_entry(self, stage: _Stage, key: str) -> _Entry:
@@ -316,7 +352,8 @@ class NeuronxCheckpoint:
         local, dtype = self._local(stage, f.key)
         if local[f.axis] * f.tp != sum(f.dims) or any(d % f.tp for d in f.dims):
             self._problems.append(
-                f"{f.key}: fused dim {f.axis} is {local[f.axis]} per rank, metadata says {f.dims} over tp={f.tp}")
+                f"{f.key}: fused dim {f.axis} is {local[f.axis]} per rank, metadata says {f.dims} over tp={f.tp}"
+            )
             return []
         p = stage.params.get(f.key)
         dim = p.dim if p is not None and p.parallel else f.axis
@@ -326,8 +363,16 @@ class NeuronxCheckpoint:
             shape[f.axis] = d // f.tp
             shape[dim] *= f.tp
             narrow = (f.axis, start, d // f.tp)
-            entries.append((name, shape, dtype, lambda key=f.key, shape=shape, narrow=narrow:
-                            self._gather(stage, key, shape, dtype, dim, narrow=narrow)))
+            entries.append(
+                (
+                    name,
+                    shape,
+                    dtype,
+                    lambda key=f.key, shape=shape, narrow=narrow: self._gather(
+                        stage, key, shape, dtype, dim, narrow=narrow
+                    ),
+                )
+            )
             start += d // f.tp
         return entries
 
@@ -357,15 +402,19 @@ class NeuronxCheckpoint:
             shape = [rows * tp, *local[1:]]
             if role:  # K/V: the ranks hold kv_mult copies one after the other; keep the first
                 if shape[0] % mult:
-                    self._problems.append(f"{key}: {shape[0]} K/V rows do not split into kv_size_multiplier={mult} copies")
+                    self._problems.append(
+                        f"{key}: {shape[0]} K/V rows do not split into kv_size_multiplier={mult} copies"
+                    )
                     return []
                 shape[0] //= mult
             if role == 0 and g.permuted:
-                reader = (lambda key=key, shape=shape, dtype=dtype, narrow=narrow:
-                          self._gather_heads(stage, key, shape, dtype, 0, heads, orders, narrow))
+                reader = lambda key=key, shape=shape, dtype=dtype, narrow=narrow: self._gather_heads(
+                    stage, key, shape, dtype, 0, heads, orders, narrow
+                )
             else:
-                reader = (lambda key=key, shape=shape, dtype=dtype, narrow=narrow:
-                          self._gather(stage, key, shape, dtype, 0, narrow=narrow))
+                reader = lambda key=key, shape=shape, dtype=dtype, narrow=narrow: self._gather(
+                    stage, key, shape, dtype, 0, narrow=narrow
+                )
             entries.append((name, shape, dtype, reader))
         return entries
 
@@ -376,8 +425,10 @@ class NeuronxCheckpoint:
                 return orders
         except (ZeroDivisionError, IndexError, RuntimeError):
             pass
-        self._problems.append(f"{g.q}: GQA layout num_heads={g.num_heads} num_kv_heads={g.num_kv_heads} "
-                              f"kv_size_multiplier={g.kv_mult} tp={g.tp} is not one this reader can undo")
+        self._problems.append(
+            f"{g.q}: GQA layout num_heads={g.num_heads} num_kv_heads={g.num_kv_heads} "
+            f"kv_size_multiplier={g.kv_mult} tp={g.tp} is not one this reader can undo"
+        )
         return None
 
     def _output_entry(self, stage: _Stage, g: _GQA) -> _Entry:
@@ -389,8 +440,17 @@ class NeuronxCheckpoint:
         return g.o, shape, dtype, lambda: self._gather_heads(stage, g.o, shape, dtype, dim, g.num_heads, orders)
 
     # -- reading: each rank's piece copied straight into the output ----------------------------------
-    def _gather(self, stage: _Stage, key: str, shape: list[int], dtype: torch.dtype, dim: int | None, *,
-                stride: int = 1, narrow: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def _gather(
+        self,
+        stage: _Stage,
+        key: str,
+        shape: list[int],
+        dtype: torch.dtype,
+        dim: int | None,
+        *,
+        stride: int = 1,
+        narrow: tuple[int, int, int] | None = None,
+    ) -> torch.Tensor:
         """Concatenate the ranks' pieces of ``key`` along ``dim`` (None: replicated, rank 0's);
         ``narrow`` cuts each piece first; with ``stride`` s each piece is s blocks, block j of
         rank r landing at position j·tp + r; whatever falls outside ``shape`` is skipped."""
@@ -418,8 +478,17 @@ class NeuronxCheckpoint:
             del src
         return out
 
-    def _gather_heads(self, stage: _Stage, key: str, shape: list[int], dtype: torch.dtype, dim: int, num_heads: int,
-                      orders: list[torch.Tensor], narrow: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def _gather_heads(
+        self,
+        stage: _Stage,
+        key: str,
+        shape: list[int],
+        dtype: torch.dtype,
+        dim: int,
+        num_heads: int,
+        orders: list[torch.Tensor],
+        narrow: tuple[int, int, int] | None = None,
+    ) -> torch.Tensor:
         """Like ``_gather`` along ``dim``, but rank r's heads (blocks of ``dim``) go to the global
         heads ``orders[r]``: the inverse of the GQA layer's query-head permutation."""
         out = torch.empty(shape, dtype=dtype)

@@ -1,7 +1,6 @@
 """On-disk layout of optimum-neuron / neuronx-distributed checkpoints: finding the files,
 loading rank files safely, and the metadata that describes how each tensor was split."""
 
-
 from __future__ import annotations
 
 import re
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 
 SHARDS_DIRS = ("shards", "tensor_parallel_shards")
 DONE = "done"

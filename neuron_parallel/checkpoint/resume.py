@@ -15,7 +15,9 @@ def find_resume_checkpoint(run_dir: str | Path, resume_from: str | None = None) 
     candidates = list(reversed(list_checkpoints(run_dir)))
     if not candidates and resume_from:
         src = Path(resume_from)
-        candidates = [src] if (src / COMPLETE).exists() else list(reversed(list_checkpoints(resolve_checkpoint(src).parent)))
+        candidates = (
+            [src] if (src / COMPLETE).exists() else list(reversed(list_checkpoints(resolve_checkpoint(src).parent)))
+        )
     for ckpt in candidates:
         problems = validate_checkpoint(ckpt)
         if not problems:

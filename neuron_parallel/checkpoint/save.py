@@ -78,7 +78,9 @@ def _stage(named: dict[str, torch.Tensor], tp_rank: int, rel: str, kind: str):
             continue
         local, gshape, offsets = local_view(t.detach())
         tensors[name] = local.to("cpu", copy=True).contiguous()
-        pieces.append([name, kind, gshape, dtype_name(local.dtype), asdict(Piece(rel, name, offsets, list(local.shape)))])
+        pieces.append(
+            [name, kind, gshape, dtype_name(local.dtype), asdict(Piece(rel, name, offsets, list(local.shape)))]
+        )
     return tensors, pieces
 
 
@@ -86,8 +88,16 @@ class CheckpointWriter:
     """Writes checkpoints of one run; ``save`` returns once tensors are on the host when
     ``async_save`` is set, and ``wait`` blocks until the last save is complete."""
 
-    def __init__(self, run_dir: str | Path, *, coords: dict[str, int], model_dir: str | Path, keep: int = 0,
-                 async_save: bool = False, timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        coords: dict[str, int],
+        model_dir: str | Path,
+        keep: int = 0,
+        async_save: bool = False,
+        timeout_s: float = 3600.0,
+    ) -> None:
         self.run = Path(run_dir)
         self.coords = coords
         self.model_dir = Path(model_dir)
@@ -99,8 +109,15 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], parallel: Any,
-             trainer_state: dict[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        *,
+        model: dict[str, torch.Tensor],
+        optim: dict[str, torch.Tensor],
+        parallel: Any,
+        trainer_state: dict[str, Any],
+    ) -> Path:
         """Save checkpoint ``step`` (a collective). ``model`` maps Hugging Face names to this
         rank's parameters, stored by dp rank 0; ``optim`` maps ``<name>.<state>`` to the optimizer
         tensors this dp rank stores. Tensors replicated over tensor-parallel ranks are stored once."""
@@ -182,7 +199,10 @@ class CheckpointWriter:
                 shutil.copyfile(src, tmp / name)
                 files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         (tmp / TRAINER_STATE).write_text(json.dumps(meta["state"], indent=1))
-        files[TRAINER_STATE] = {"size": (tmp / TRAINER_STATE).stat().st_size, "sha256": sha256_file(tmp / TRAINER_STATE)}
+        files[TRAINER_STATE] = {
+            "size": (tmp / TRAINER_STATE).stat().st_size,
+            "sha256": sha256_file(tmp / TRAINER_STATE),
+        }
         manifest = Manifest(
             step=step,
             parallel=meta["parallel"],

@@ -64,7 +64,13 @@ class _SafetensorsFile:
     the slice. The format is an 8-byte little-endian header length, a JSON header of
     ``{name: {dtype, shape, data_offsets}}`` and the raw bytes."""
 
-    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32}
+    _DTYPES = {
+        "F32": torch.float32,
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+    }
 
     def __init__(self, path: Path) -> None:
         self.path = path

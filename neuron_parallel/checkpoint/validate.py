@@ -13,7 +13,6 @@ from .format import COMPLETE, MANIFEST, Manifest, resolve_checkpoint
 from .save import sha256_file
 
 
-
 def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: bool = True) -> list[str]:
     """Problems with the checkpoint at ``path`` (a run dir, checkpoint dir or its shards/);
     an empty list means valid.
@@ -101,7 +100,9 @@ def _check_against_model(ckpt: Path, manifest: Manifest) -> list[str]:
         entry = have.get(name)
         if entry is None:
             problems.append(f"{ckpt}: parameter {name} {shape} is missing from the checkpoint")
-        elif entry.shape != shape and not (entry.shape[1:] == shape[1:] and shape[0] == vocab and entry.shape[0] > vocab):
+        elif entry.shape != shape and not (
+            entry.shape[1:] == shape[1:] and shape[0] == vocab and entry.shape[0] > vocab
+        ):
             problems.append(f"{ckpt}: {name} has global shape {entry.shape}, the model expects {shape}")
     for name in sorted(set(have) - set(want)):
         problems.append(f"{ckpt}: {name} is not a parameter of this model")
@@ -109,7 +110,9 @@ def _check_against_model(ckpt: Path, manifest: Manifest) -> list[str]:
         if entry.kind == "optim":
             param = name.rsplit(".", 1)[0]
             if param in have and entry.shape != have[param].shape:
-                problems.append(f"{ckpt}: optimizer state {name} has shape {entry.shape}, its parameter {have[param].shape}")
+                problems.append(
+                    f"{ckpt}: optimizer state {name} has shape {entry.shape}, its parameter {have[param].shape}"
+                )
     return problems
 
 

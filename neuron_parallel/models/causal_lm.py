@@ -25,10 +25,14 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> str:
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ValueError(f"model.name_or_path {local} has no config.json; point it at a Hugging Face model directory")
+            raise ValueError(
+                f"model.name_or_path {local} has no config.json; point it at a Hugging Face model directory"
+            )
         return str(local)
     if local.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
-        raise ValueError(f"model.name_or_path {name_or_path} does not exist; for a new tiny model run `neuron-flows make-tiny DIR`")
+        raise ValueError(
+            f"model.name_or_path {name_or_path} does not exist; for a new tiny model run `neuron-flows make-tiny DIR`"
+        )
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -130,8 +134,10 @@ def materialize(stage: CausalLMStage, device: torch.device) -> None:
     """Allocate the (possibly sharded) meta parameters on ``device``, keeping a tied embedding
     and lm_head one parameter (``to_empty`` allocates each module's tensors separately), and
     rebuild the rotary buffers, which are computed at construction."""
-    tied = stage.lm_head is not None and stage.model.embed_tokens is not None and (
-        stage.lm_head.weight is stage.model.embed_tokens.weight
+    tied = (
+        stage.lm_head is not None
+        and stage.model.embed_tokens is not None
+        and (stage.lm_head.weight is stage.model.embed_tokens.weight)
     )
     stage.to_empty(device=device)
     if tied:

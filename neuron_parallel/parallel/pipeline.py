@@ -250,7 +250,9 @@ def sum_tied_embedding_grads(
             return
         a, b = _aligned_grad(embed), _aligned_grad(head)
         if a.shape != b.shape:
-            raise ValueError(f"tied embedding and lm_head grads are sharded differently: {tuple(a.shape)} vs {tuple(b.shape)}")
+            raise ValueError(
+                f"tied embedding and lm_head grads are sharded differently: {tuple(a.shape)} vs {tuple(b.shape)}"
+            )
         a.add_(b)
         b.copy_(a)
         return

@@ -197,13 +197,17 @@ def _check_tp(config, tp: int, *, has_vocab: bool) -> None:
     """Refuse a tp degree the model cannot be split by, naming the degrees that work."""
     heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     valid = [t for t in _divisors(heads) if (kv % t == 0 or t % kv == 0) and inter % t == 0]
-    hint = (f"; valid tp for this model (num_attention_heads={heads}, num_key_value_heads={kv}, "
-            f"intermediate_size={inter}): {valid}")
+    hint = (
+        f"; valid tp for this model (num_attention_heads={heads}, num_key_value_heads={kv}, "
+        f"intermediate_size={inter}): {valid}"
+    )
     if heads % tp:
         raise ValueError(f"tp={tp} does not divide num_attention_heads={heads}{hint}")
     if tp > kv and tp % kv:
-        raise ValueError(f"tp={tp} > num_key_value_heads={kv} needs tp to be a multiple of it "
-                         f"(each KV head is then replicated on tp // {kv} ranks){hint}")
+        raise ValueError(
+            f"tp={tp} > num_key_value_heads={kv} needs tp to be a multiple of it "
+            f"(each KV head is then replicated on tp // {kv} ranks){hint}"
+        )
     if tp < kv and kv % tp:
         raise ValueError(f"tp={tp} does not divide num_key_value_heads={kv}{hint}")
     if inter % tp:
@@ -289,7 +293,9 @@ class _ReplicatedKVColwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module) is not nn.Linear:
-            raise ValueError(f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; use tp <= num_key_value_heads for this model")
+            raise ValueError(
+                f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; use tp <= num_key_value_heads for this model"
+            )
         for name, p in list(module.named_parameters(recurse=False)):
             dp = distribute_tensor(p, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dp, requires_grad=p.requires_grad))

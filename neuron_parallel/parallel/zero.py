@@ -29,15 +29,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Zero1Optimizer:
     """An optimizer over ``named_params`` whose state is sharded across ``dp_group``."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], groups: list[dict], optimizer_class, *,
-                 dp_group, **defaults) -> None:
+    def __init__(
+        self, named_params: list[tuple[str, nn.Parameter]], groups: list[dict], optimizer_class, *, dp_group, **defaults
+    ) -> None:
         self.named = named_params
         alias_of = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for _, p in named_params}
         self.alias = [(name, p, alias_of[id(p)]) for name, p in named_params]
         alias_groups = [{**g, "params": [alias_of[id(p)] for p in g["params"]]} for g in groups]
         self.inner = ZeroRedundancyOptimizer(
-            alias_groups, optimizer_class=optimizer_class, process_group=dp_group,
-            parameters_as_bucket_view=False, **defaults,
+            alias_groups,
+            optimizer_class=optimizer_class,
+            process_group=dp_group,
+            parameters_as_bucket_view=False,
+            **defaults,
         )
 
     @property
@@ -68,8 +72,9 @@ class Zero1Optimizer:
                 if key == "step" or not torch.is_tensor(value):
                     continue
                 if isinstance(p, DTensor):
-                    value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
+                    value = DTensor.from_local(
+                        value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
                 out[f"{name}.{key}"] = value
         return out
 
