@@ -18,7 +18,7 @@ model, gradients, optimizer state, activations, pipeline buffers and every tempo
 allocates are counted. Engine methods are wrapped in ``record_function`` phase ranges so the
 table can say in which phase (forward/backward, reduction, optimizer) the peak fell.
 
-Prediction: ``neuron_parallel.memory.job_rank_memory`` for that rank's (pp rank, dp rank), i.e.
+Prediction: ``neuron_parallel.planning.memory.job_rank_memory`` for that rank's (pp rank, dp rank), i.e.
 the planner's own model, tensor bytes only (the allocator margin the planner adds for device
 allocators is not tensor memory and is left out here). Constants are those stated in
 ``neuron_parallel/memory.py``; nothing is fitted per case. A case passes when every rank is
@@ -42,8 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from neuron_parallel.memory import job_rank_memory  # noqa: E402
 from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method  # noqa: E402
+from neuron_parallel.planning.memory import job_rank_memory  # noqa: E402
 
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 WIDE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2)
@@ -106,7 +106,7 @@ def worker(job_path: str, out_dir: str) -> None:
 def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
     from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
     from neuron_parallel.data import tokenize_dataset
-    from neuron_parallel.memory import ModelShape
+    from neuron_parallel.planning.memory import ModelShape
 
     shape_name, seq, world, parallel, mbs = CASES[name]
     paths = worlds[shape_name]
@@ -230,7 +230,7 @@ ANCHORS = {
 def anchors() -> list[dict]:
     """Predicted tokens/s of the published layouts (with SP, recompute, ZeRO-1, 1F1B, the
     fastest microbatching that fits) against the published figures; information only."""
-    from neuron_parallel.planner import plan
+    from neuron_parallel.planning.search import search_layouts as plan
 
     rows = []
     for name, (config, split, published) in ANCHORS.items():

@@ -20,7 +20,7 @@ import sys
 
 
 def _config(args):
-    from tasks.config import FinetuneConfig
+    from neuron_flows.tasks.config import FinetuneConfig
 
     return FinetuneConfig.load(args.config, args.set)
 
@@ -30,10 +30,10 @@ def _preflight(config):
     is touched (local models; a Hub model is checked by the plan step once fetched)."""
     from pathlib import Path
 
-    from tasks.config import resolve_layout
+    from neuron_flows.tasks.config import plan_layout
 
     if (Path(config.model.name_or_path) / "config.json").is_file():
-        resolve_layout(config, config.model.name_or_path)
+        plan_layout(config, config.model.name_or_path)
 
 
 def cmd_run(args) -> int:
@@ -42,7 +42,7 @@ def cmd_run(args) -> int:
     # The embedded server migrates its SQLite database on first start; on a busy 2-core machine
     # that can take longer than Prefect's default 20 s wait.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from flows.finetune import finetune
+    from neuron_flows.flows.finetune import finetune
 
     try:
         result = finetune(config)
@@ -68,10 +68,10 @@ def cmd_train(args) -> int:
 
         config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
     _preflight(config)
+    from neuron_flows.tasks.config import plan_layout
     from neuron_parallel.data import tokenize_dataset
     from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
     from neuron_parallel.models.causal_lm import resolve_model_dir
-    from tasks.config import resolve_layout
 
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
     ds = tokenize_dataset(
@@ -82,12 +82,12 @@ def cmd_train(args) -> int:
         text_field=config.data.text_field,
         split=config.data.split,
     )
-    layout, report = resolve_layout(config, model_dir, ds.path)
+    layout, report = plan_layout(config, model_dir, ds.path)
     if report is not None:
         print(
             f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True
         )
-    job = config.to_job(model_path=model_dir, dataset_path=ds.path, plan=layout)
+    job = config.to_job(model_path=model_dir, dataset_path=ds.path, layout=layout)
 
     def show(event: dict) -> None:
         kind = event.pop("event")
@@ -111,7 +111,7 @@ def cmd_train(args) -> int:
 def cmd_serve(args) -> int:
     from pathlib import Path
 
-    from flows.serve import register_only, serve
+    from neuron_flows.flows.serve import register_only, serve
 
     if args.register_only:
         return register_only()
@@ -161,10 +161,10 @@ def cmd_make_tiny(args) -> int:
 
 def cmd_plan(args) -> int:
     """Rank every layout; exit 0 when one fits, 1 when none does (the JSON says why)."""
-    from neuron_parallel.planner import format_table, plan
+    from neuron_parallel.planning.search import format_table, search_layouts
 
     model = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
-    report = plan(
+    report = search_layouts(
         model,
         args.hardware,
         nodes=args.nodes,
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware",
         required=True,
         help="trn2.48xlarge, trn3, trn1.32xlarge, p5.48xlarge, h200x8, "
-        "cpu, or a hardware YAML file (neuron_parallel.hardware)",
+        "cpu, or a hardware YAML file (neuron_parallel.planning.hardware)",
     )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq-len", type=int, required=True)

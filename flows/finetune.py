@@ -6,14 +6,14 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.transactions import transaction
 
-from tasks.config import FinetuneConfig
-from tasks.consolidate import consolidate
-from tasks.plan import plan
-from tasks.report import report
-from tasks.tokenize import tokenize
-from tasks.train import train
-from tasks.upload import upload
-from tasks.validate import validate
+from neuron_flows.tasks.config import FinetuneConfig
+from neuron_flows.tasks.consolidate import consolidate
+from neuron_flows.tasks.plan import plan
+from neuron_flows.tasks.report import report
+from neuron_flows.tasks.tokenize import tokenize
+from neuron_flows.tasks.train import train
+from neuron_flows.tasks.upload import upload
+from neuron_flows.tasks.validate import validate
 
 
 @flow(name="finetune", log_prints=True)

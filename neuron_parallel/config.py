@@ -1,8 +1,15 @@
-"""Plain, validated configuration values used inside the library.
+"""The configuration of a training run: one definition of every field, with its docstring.
 
-The Prefect/CLI boundary (``flows.config.FinetuneConfig``, pydantic) converts into these in one
-place; everything in ``neuron_parallel`` takes these dataclasses. Each ``__post_init__`` checks
-the numbers and raises ``ValueError`` naming the values at fault and a valid alternative.
+These dataclasses are the whole vocabulary. The Prefect/CLI boundary
+(``neuron_flows.tasks.config.FinetuneConfig``) is built from them field by field and adds only
+what is its own (``auto`` for the planned fields, output paths, the Hub, retries, hardware).
+Each ``__post_init__`` checks the values and raises ``ValueError`` naming the values at fault
+and a valid alternative.
+
+The global batch follows one rule: ``train.global_batch_size`` sequences per optimizer step,
+whatever the layout and the number of ranks. Each data-parallel rank runs
+``train.micro_batch_size`` sequences per forward/backward, and gradient accumulation makes up
+the rest: ``grad_accum = global_batch_size / (micro_batch_size × dp)``.
 """
 
 from __future__ import annotations
@@ -11,15 +18,67 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-PRECISIONS = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "sgd")
+from .utils import divisors
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
+Precision = Literal["fp32", "bf16"]
+Optimizer = Literal["adamw", "sgd"]
+LrSchedule = Literal["cosine", "constant"]
+Device = Literal["cpu", "cuda", "neuron"]
+PIPELINE_SCHEDULES = get_args(PipelineSchedule)
+PRECISIONS = get_args(Precision)
+OPTIMIZERS = get_args(Optimizer)
+
+LAYOUT_FIELDS = (
+    "tp",
+    "pp",
+    "zero_1",
+    "sequence_parallel",
+    "num_microbatches",
+    "pipeline_schedule",
+    "virtual_stages",
+    "activation_checkpointing",
+)
+"""The ``ParallelConfig`` fields the planner chooses when they are left ``auto``."""
+PLANNED_FIELDS = {"parallel": LAYOUT_FIELDS, "train": ("micro_batch_size",)}
+"""Every field the planner may choose, by section: the layout and the micro batch."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _check_choice(section: str, name: str, value: Any, kind: Any) -> None:
+    if value not in get_args(kind):
+        raise ValueError(f"{section}.{name}={value!r} is not one of {get_args(kind)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The model to fine-tune."""
+
+    name_or_path: str = ".tiny/model"
+    """A local Hugging Face model directory or a Hub model id."""
+    revision: str | None = None
+    """Hub revision when name_or_path is a Hub id."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """The training data and how it is cut into sequences."""
+
+    source: str | list[str] = ".tiny/corpus.jsonl"
+    """Local .txt/.jsonl/.parquet file(s) or folder, or a Hub dataset name."""
+    text_field: str = "text"
+    """Column holding the text."""
+    split: str = "train"
+    """Split to read from a Hub dataset."""
+    block_size: int = 128
+    """Tokens per training sequence."""
+    cache_dir: str = ".runs/datasets"
+    """Where tokenized datasets are kept, keyed by fingerprint."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"data.block_size must be >= 2, got {self.block_size}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,15 +97,15 @@ class ParallelConfig:
     """Shard activations along the sequence in norms and residuals (needs tp > 1)."""
     num_microbatches: int = 1
     """Pipeline microbatches per micro-batch step; the per-rank batch must divide by it."""
-    pipeline_schedule: str = "1f1b"
-    """One of gpipe, 1f1b, interleaved_1f1b, zbv."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zbv (zero-bubble V)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved_1f1b and zbv need 2 or more)."""
     layer_split: list[int] | None = None
     """Decoder layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
     activation_checkpointing: int = 0
     """Recompute every k-th decoder layer in backward; 0 disables, 1 recomputes every layer."""
-    mixed_precision: str = "fp32"
+    mixed_precision: Precision = "fp32"
     """fp32, or bf16 compute with fp32 master weights."""
 
     def __post_init__(self) -> None:
@@ -54,12 +113,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(
-                f"parallel.pipeline_schedule={self.pipeline_schedule!r} is not one of {PIPELINE_SCHEDULES}"
-            )
-        if self.mixed_precision not in PRECISIONS:
-            raise ValueError(f"parallel.mixed_precision={self.mixed_precision!r} is not one of {PRECISIONS}")
+        _check_choice("parallel", "pipeline_schedule", self.pipeline_schedule, PipelineSchedule)
+        _check_choice("parallel", "mixed_precision", self.mixed_precision, Precision)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp"
@@ -97,7 +152,7 @@ class ParallelConfig:
         """Derive dp = world_size / (tp × pp), refusing splits that do not divide."""
         tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
         if world_size % (tp * pp):
-            fits = [f"tp={t}, pp={p}" for t in _divisors(world_size) for p in _divisors(world_size // t)][:6]
+            fits = [f"tp={t}, pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
             raise ValueError(
                 f"world size {world_size} (launch.nproc_per_node × launch.nnodes) is not divisible by "
                 f"tp × pp = {tp} × {pp} = {tp * pp}; choose tp × pp dividing {world_size} "
@@ -121,15 +176,16 @@ class TrainConfig:
     """Write checkpoints in a background thread; training waits only for the host copy."""
     seed: int = 0
     """Seeds model init (when not loading weights), data order and dropout."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, whatever the layout and the number of ranks."""
     micro_batch_size: int = 4
-    """Sequences per dp rank per forward/backward."""
-    grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Sequences per data-parallel rank per forward/backward; gradient accumulation makes up the
+    rest of the global batch (chosen by the planner when left auto)."""
     lr: float = 1e-3
     """Peak learning rate."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = "cosine"
     """cosine (to min_lr_ratio × lr) or constant after warm-up."""
     min_lr_ratio: float = 0.1
     """Floor of the cosine schedule as a fraction of lr."""
@@ -139,10 +195,13 @@ class TrainConfig:
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     """adamw, or sgd (exact update, used for parity checks)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    resume_from: str | None = None
+    """Another run directory (or one of its checkpoints) to continue from when the run directory
+    has no checkpoint of its own."""
     profile_memory: bool = False
     """Measure every rank's peak tensor memory over the training steps (checkpoint writes
     excluded) and report it next to the planner's prediction (``memory.json``, a ``memory``
@@ -150,7 +209,7 @@ class TrainConfig:
     accelerators from the device allocator's statistics."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "grad_accum", "log_every"):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "keep_checkpoints", "warmup_steps"):
@@ -158,58 +217,29 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer={self.optimizer!r} is not one of {OPTIMIZERS}")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"train.lr_schedule={self.lr_schedule!r} is not one of ('cosine', 'constant')")
+        _check_choice("train", "optimizer", self.optimizer, Optimizer)
+        _check_choice("train", "lr_schedule", self.lr_schedule, LrSchedule)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0 (0 disables clipping)")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}; use a micro batch in "
+                f"{divisors(self.global_batch_size)}"
+            )
         self.betas = tuple(self.betas)
-
-
-@dataclass(kw_only=True, slots=True)
-class JobConfig:
-    """Everything one training run needs; written to ``output_dir/job.json`` for the ranks."""
-
-    model_path: str
-    """A local Hugging Face model directory (config, safetensors, tokenizer)."""
-    dataset_path: str
-    """A tokenized, packed dataset saved with ``datasets.Dataset.save_to_disk``."""
-    output_dir: str
-    """The run directory: metrics.jsonl and checkpoint-<step>/ folders."""
-    block_size: int
-    """Tokens per training sequence."""
-    device: str = "cpu"
-    """cpu, cuda or neuron; the backend follows from it (gloo, nccl, neuron)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    resume_from: str | None = None
-    """Another run directory (or checkpoint) to continue from when output_dir has none."""
-
-    @property
-    def global_batch_size(self) -> int:
-        """Sequences per optimizer step, whatever the split."""
-        return self.train.micro_batch_size * self.train.grad_accum * self.parallel.dp
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
-        data = dict(data)
-        data["parallel"] = ParallelConfig(**data.get("parallel", {}))
-        data["train"] = TrainConfig(**data.get("train", {}))
-        return cls(**data)
-
-    @classmethod
-    def load(cls, path: str | Path) -> JobConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """How torchrun is started on this node."""
 
+    device: Device = "cpu"
+    """cpu, cuda or neuron; the torch.distributed backend follows from it (gloo, nccl, neuron)."""
     nproc_per_node: int = 1
-    """Ranks on this node."""
+    """Ranks on this node (64 on trn2.48xlarge)."""
     nnodes: int = 1
     """Nodes in the job; above 1 a c10d rendezvous at ``rdzv_endpoint`` joins them."""
     rdzv_endpoint: str | None = None
@@ -220,6 +250,9 @@ class LaunchConfig:
     """OMP threads per rank."""
 
     def __post_init__(self) -> None:
+        _check_choice("launch", "device", self.device, Device)
+        if self.omp_num_threads < 1:
+            raise ValueError(f"launch.omp_num_threads must be >= 1, got {self.omp_num_threads}")
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ValueError(
                 f"launch.nproc_per_node and launch.nnodes must be >= 1, got {self.nproc_per_node}, {self.nnodes}"
@@ -229,3 +262,66 @@ class LaunchConfig:
                 f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT, an address of the first node "
                 "that every node can reach"
             )
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """Everything one training run needs; written to ``output_dir/job.json`` for the ranks."""
+
+    model_path: str
+    """The resolved local Hugging Face model directory (config, safetensors, tokenizer)."""
+    dataset_path: str
+    """A tokenized, packed dataset saved with ``datasets.Dataset.save_to_disk``."""
+    output_dir: str
+    """The run directory: metrics.jsonl and checkpoint-<step>/ folders."""
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        per_step = self.train.micro_batch_size * self.parallel.dp
+        if self.train.global_batch_size % per_step:
+            gbs = self.train.global_batch_size
+            fits = [m for m in divisors(gbs) if (gbs // m) % self.parallel.dp == 0]
+            raise ValueError(
+                f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size × dp = "
+                f"{self.train.micro_batch_size} × {self.parallel.dp}; use micro_batch_size in {fits}, "
+                f"a global batch that is a multiple of {per_step}, or micro_batch_size=auto"
+            )
+
+    @property
+    def device(self) -> str:
+        return self.launch.device
+
+    @property
+    def block_size(self) -> int:
+        return self.data.block_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.global_batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank (see the module docstring)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        data = dict(data)
+        for name, kind in (
+            ("data", DataConfig),
+            ("parallel", ParallelConfig),
+            ("train", TrainConfig),
+            ("launch", LaunchConfig),
+        ):
+            data[name] = kind(**data.get(name, {}))
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

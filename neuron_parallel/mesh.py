@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
+from .utils import DEVICE_BACKENDS
 
 
 def backend_for(device: str) -> str:
     """The torch.distributed backend that goes with a device type."""
     try:
-        return BACKENDS[device]
+        return DEVICE_BACKENDS[device]
     except KeyError:
-        raise ValueError(f"device {device!r} is not one of {sorted(BACKENDS)}") from None
+        raise ValueError(f"device {device!r} is not one of {sorted(DEVICE_BACKENDS)}") from None
 
 
 def local_device(device_type: str) -> torch.device:

@@ -25,11 +25,11 @@ from .checkpoint.resume import find_resume_checkpoint
 from .config import JobConfig
 from .data import BlockStream
 from .engine import build_engine
-from .memory import ModelShape, job_rank_memory
 from .memprof import PHASE_PREFIX, TensorMemoryProfile
 from .mesh import ParallelDims, init_distributed, local_device
 from .optim import lr_at
-from .plan import check_plan
+from .planning.layout import check_layout
+from .planning.memory import ModelShape, job_rank_memory
 
 EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
@@ -51,7 +51,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def run_training(job: JobConfig) -> None:
-    check_plan(job)  # a layout the model cannot take fails here, before any rank loads weights
+    check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
     init_distributed(job.device)
     device = local_device(job.device)
     pc = job.parallel
@@ -80,7 +80,7 @@ def _run(job: JobConfig, dims: ParallelDims, device, rank: int, run_dir: Path, p
     engine = build_engine(job, dims, device)
 
     start_step = 0
-    ckpt, skipped = find_resume_checkpoint(run_dir, job.resume_from) if rank == 0 else (None, [])
+    ckpt, skipped = find_resume_checkpoint(run_dir, job.train.resume_from) if rank == 0 else (None, [])
     shared = [str(ckpt) if ckpt else None, skipped]
     dist.broadcast_object_list(shared, src=0)
     for why in shared[1]:
@@ -115,13 +115,13 @@ def _train_steps(job, engine, stream, dims, device, writer, start_step, rank, me
         torch.manual_seed(tc.seed * 100_003 + step)
         base = (step - 1) * G
         loss_sum = torch.zeros((), device=device)
-        for a in range(tc.grad_accum):
+        for a in range(job.grad_accum):
             inputs, labels = stream.batch(base + a * mbs * pc.dp + dp_rank * mbs, mbs)
-            loss_sum += engine.forward_backward(inputs, labels, 1.0 / tc.grad_accum)
+            loss_sum += engine.forward_backward(inputs, labels, 1.0 / job.grad_accum)
         grad_norm = engine.reduce_and_clip()
         lr = lr_at(step, tc)
         engine.optimizer_step(lr)
-        loss = loss_sum / tc.grad_accum
+        loss = loss_sum / job.grad_accum
         dist.all_reduce(loss, group=dims.mesh["dp"].get_group())
         loss = loss.item() / pc.dp
         dt = time.perf_counter() - t0

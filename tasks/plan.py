@@ -5,19 +5,19 @@ from prefect.artifacts import create_table_artifact
 
 from neuron_parallel.data import TokenizedDataset
 from neuron_parallel.models.causal_lm import resolve_model_dir
-from neuron_parallel.plan import Plan
+from neuron_parallel.planning.layout import CheckedLayout
 
 from .common import STEP_POLICY
-from .config import FinetuneConfig, resolve_layout
+from .config import FinetuneConfig, plan_layout
 
 GiB = 1 << 30
 
 
 @task(name="plan", **STEP_POLICY)
-def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> Plan:
+def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    result, report = resolve_layout(config, model_dir, dataset.path)
+    result, report = plan_layout(config, model_dir, dataset.path)
     pc = result.parallel
     chosen = {
         "dp": pc.dp,
@@ -42,7 +42,7 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> Plan:
             table=ranking_rows(report),
             description=(
                 f"Layouts of {report.world_size} {report.hardware.name} ranks, best first (rank 1 is used); "
-                f"fixed in the config: {config.parallel.fixed() or 'nothing'}"
+                f"fixed in the config: {config.pinned() or 'nothing'}"
             ),
         )
     log.info("plan: %s %s", chosen, "; ".join(result.notes))

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from neuron_parallel.hub import HubCommit
 from neuron_parallel.launch import TrainResult
-from neuron_parallel.plan import Plan
+from neuron_parallel.planning.layout import CheckedLayout
 
 from .common import STEP_POLICY
 
@@ -40,7 +40,7 @@ def loss_curve_png(metrics: list[dict]) -> bytes:
 
 def summary_markdown(
     result: TrainResult,
-    layout: Plan,
+    layout: CheckedLayout,
     checkpoint: str,
     model_dir: str,
     commit: HubCommit | None,
@@ -77,7 +77,9 @@ def summary_markdown(
 
 
 @task(name="report", **STEP_POLICY)
-def report(result: TrainResult, layout: Plan, checkpoint: str, model_dir: str, commit: HubCommit | None) -> str:
+def report(
+    result: TrainResult, layout: CheckedLayout, checkpoint: str, model_dir: str, commit: HubCommit | None
+) -> str:
     """Write ``loss_curve.png`` into the run directory and the summary artifact; returns its markdown."""
     path = Path(result.run_dir) / "metrics.jsonl"
     metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

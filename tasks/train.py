@@ -8,18 +8,18 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from neuron_parallel.data import TokenizedDataset
 from neuron_parallel.launch import LAUNCH_FILE_ENV, TrainResult, publish_launch, run_torchrun
 from neuron_parallel.models.causal_lm import resolve_model_dir
-from neuron_parallel.plan import Plan
+from neuron_parallel.planning.layout import CheckedLayout
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
 
 
 @task(name="train", **STEP_POLICY)
-def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: Plan) -> TrainResult:
+def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: CheckedLayout) -> TrainResult:
     """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, plan=plan)
+    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, layout=plan)
     progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
 
     def on_event(event: dict) -> None:

@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 
 from neuron_parallel.hub import HubCommit, upload_model, write_model_card
 from neuron_parallel.launch import TrainResult
-from neuron_parallel.plan import Plan
+from neuron_parallel.planning.layout import CheckedLayout
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
@@ -23,7 +23,7 @@ def hub_token(config: FinetuneConfig) -> str | None:
 
 
 @task(name="upload", **STEP_POLICY)
-def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: Plan) -> HubCommit | None:
+def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: CheckedLayout) -> HubCommit | None:
     log = get_run_logger()
     metrics = result.last_metrics
     summary = {

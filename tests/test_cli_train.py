@@ -36,7 +36,7 @@ def _base(tiny_world, tmp_path, run):
 
 def _train(args, env=None):
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"), *args],
+        [sys.executable, "-m", "neuron_flows.flows.cli", "train", str(ROOT / "configs/tiny-llama-cpu.yaml"), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -107,7 +107,7 @@ def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path, one_rank):
     ]
     env = {"NEURON_FLOWS_RDZV_ENDPOINT": f"127.0.0.1:{port}", "NEURON_FLOWS_LAUNCH_FILE": str(launch_file)}
     joiner = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "join", "--timeout", "300"],
+        [sys.executable, "-m", "neuron_flows.flows.cli", "join", "--timeout", "300"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

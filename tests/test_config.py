@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from neuron_flows.tasks.config import FinetuneConfig
 from neuron_parallel.config import JobConfig, ParallelConfig
-from tasks.config import FinetuneConfig
 
 from .conftest import ROOT
 
@@ -136,7 +136,7 @@ def test_job_round_trips_through_json(tmp_path):
 def test_flow_parameter_schema_is_the_config():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.finetune import finetune
+    from neuron_flows.flows.finetune import finetune
 
     schema = parameter_schema(finetune).model_dump()
     assert "config" in schema["properties"]
@@ -153,7 +153,7 @@ def test_cli_refuses_bad_config_fast_before_tokenizing(tmp_path, override):
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "neuron_flows.flows.cli",
             "run",
             str(TINY),
             "--set",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import FinetuneConfig
+from neuron_flows.tasks.config import FinetuneConfig
 
 from .hub_server import LocalHub
 
@@ -27,7 +27,7 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     from prefect.client.orchestration import get_client
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flows.finetune import finetune
+    from neuron_flows.flows.finetune import finetune
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     repo = f"{hub.user}/tiny-llama-ft"
@@ -102,7 +102,7 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
 
 
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
-    from flows.finetune import finetune
+    from neuron_flows.flows.finetune import finetune
 
     config = FinetuneConfig.load(
         None,
@@ -123,7 +123,7 @@ def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_
 def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
     """Consolidate and upload are one transaction: a refused upload (bad token) removes the
     consolidated directory again; the checkpoints stay."""
-    from flows.finetune import finetune
+    from neuron_flows.flows.finetune import finetune
 
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
     config = FinetuneConfig.load(

@@ -404,7 +404,7 @@ def test_pickled_metadata_with_permuted_fused_gqa(tmp_path, xser_pickling):
 
 
 def test_cli_with_model_dir(tmp_path, xser_pickling, capsys):
-    from flows.cli import main
+    from neuron_flows.flows.cli import main
 
     config = llama_config()
     state = original_state(config)

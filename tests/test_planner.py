@@ -206,7 +206,7 @@ def test_tiny_cpu_best_plan_passes_check_plan(tiny_world):
 
 
 def test_cli_plan_json(tmp_path, capsys):
-    from flows.cli import main
+    from neuron_flows.flows.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     args = [
@@ -278,7 +278,7 @@ def test_pinned_fields_restrict_the_search():
 
 
 def _auto_config(tiny_world, *overrides):
-    from tasks.config import FinetuneConfig
+    from neuron_flows.tasks.config import FinetuneConfig
 
     return FinetuneConfig.load(
         None,
@@ -293,7 +293,7 @@ def _auto_config(tiny_world, *overrides):
 
 
 def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
-    from tasks.config import resolve_layout
+    from neuron_flows.tasks.config import resolve_layout
 
     free, report = resolve_layout(_auto_config(tiny_world), tiny_world["model"])
     best = report.best
@@ -329,7 +329,7 @@ def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
 
 
 def test_auto_layout_that_cannot_fit_says_why_before_launch(tiny_world, tmp_path):
-    from tasks.config import resolve_layout
+    from neuron_flows.tasks.config import resolve_layout
 
     (tmp_path / "small.yaml").write_text(
         "name: small\nranks_per_node: 4\nmemory_per_rank: 1MiB\n"
@@ -356,7 +356,7 @@ def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "neuron_flows.flows.cli",
             "train",
             str(ROOT / "configs/tiny-llama-cpu.yaml"),
             "--set",
@@ -393,7 +393,7 @@ def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path
 
 
 def test_layer_split_pins_the_stage_count(tiny_world):
-    from tasks.config import resolve_layout
+    from neuron_flows.tasks.config import resolve_layout
 
     chosen, _ = resolve_layout(
         _auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"), tiny_world["model"]

@@ -63,7 +63,7 @@ class Service:
         }
         env.pop("PREFECT_API_URL", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--port", str(self.port), "--home", str(home)],
+            [sys.executable, "-m", "neuron_flows.flows.cli", "serve", "--port", str(self.port), "--home", str(home)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -293,7 +293,7 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.serve import load_spec, register
+    from neuron_flows.flows.serve import load_spec, register
 
     local = next(d for d in load_spec()["deployments"] if d["name"] == "local")
     every_minute = {

@@ -140,7 +140,9 @@ def test_corruption_is_named_and_resume_falls_back(dp2_run, tmp_path, how):
     problems = validate_checkpoint(run / ckpts[-1].name)
     assert any(str(path) in p and expect in p for p in problems), problems
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "validate", str(run / ckpts[-1].name)], capture_output=True, text=True
+        [sys.executable, "-m", "neuron_flows.flows.cli", "validate", str(run / ckpts[-1].name)],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 1 and str(path) in proc.stdout
     chosen, skipped = find_resume_checkpoint(run)

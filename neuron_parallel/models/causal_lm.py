@@ -61,31 +61,6 @@ def build_meta_model(config) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None = None) -> list[range]:
-    """Layer ranges per stage: the user's split, or as even as possible (earlier stages get the
-    extra layers, since the last stage also carries the norm, lm_head and loss)."""
-    if layer_split is not None:
-        if sum(layer_split) != num_layers or any(n < 1 for n in layer_split):
-            raise ValueError(
-                f"parallel.layer_split={layer_split} must be {num_stages} positive counts summing to the "
-                f"model's {num_layers} layers"
-            )
-        counts = list(layer_split)
-    else:
-        if num_stages > num_layers:
-            raise ValueError(
-                f"{num_stages} pipeline stages (pp × virtual_stages) exceed the model's {num_layers} layers; "
-                f"use pp × virtual_stages <= {num_layers}"
-            )
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
-    ranges, start = [], 0
-    for n in counts:
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
-
-
 class CausalLMStage(nn.Module):
     """Layers ``layer_ids`` of a Hugging Face causal LM, with its Hugging Face parameter names.
 

@@ -20,9 +20,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..utils import DEVICE_BACKENDS
+
 GiB = 1 << 30
 GB = 10**9
-DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 
+from ..utils import split_layers
+
 GiB = 1 << 30
 BUCKET_BYTES = 32 << 20  # neuron_parallel.optim.all_reduce_grads default bucket
 
@@ -137,7 +139,7 @@ class ModelShape:
         )
 
     def as_config(self) -> SimpleNamespace:
-        """Attribute view with Hugging Face names (for ``neuron_parallel.plan.count_parameters``)."""
+        """Attribute view with Hugging Face names (for ``neuron_parallel.planning.layout.check_layout``)."""
         return SimpleNamespace(
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_layers,
@@ -417,15 +419,6 @@ def stage_memory(
     return max(phases, key=lambda mem: mem.total)
 
 
-def even_layer_split(num_layers: int, num_stages: int) -> list[int]:
-    """Layers per stage as ``models.causal_lm.split_layers`` makes them (earlier stages take the
-    remainder), without importing torch."""
-    if num_stages > num_layers:
-        raise ValueError(f"{num_stages} pipeline stages exceed the model's {num_layers} layers")
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
 def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     """The model above for global rank ``rank`` of an engine job (``neuron_parallel.config.JobConfig``):
     its pp and dp coordinates, the job's layer split, microbatching and precision (the engine's
@@ -444,11 +437,11 @@ def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
         micro_batch=job.train.micro_batch_size // m,
         seq_len=job.block_size,
         num_microbatches=m,
-        grad_accum=job.train.grad_accum,
+        grad_accum=job.grad_accum,
         schedule=pc.pipeline_schedule,
         virtual_stages=pc.virtual_stages,
         precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
         pp_rank=rest // pc.tp,
-        layers=pc.layer_split or even_layer_split(shape.num_layers, pc.num_stages),
+        layers=[len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)],
         dp_rank=dp_rank,
     )

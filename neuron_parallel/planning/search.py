@@ -1,7 +1,7 @@
 """Choosing a parallel layout: every (tp, pp, dp, ZeRO-1, SP, recompute, microbatching) split
 of a job, its predicted memory per rank and tokens/s, ranked; and for every rejected split, why.
 
-    report = plan("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
+    report = search_layouts("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
     report.feasible, report.best.to_parallel_config(), report.plans[0].tokens_per_s
 
 Memory per rank: ``neuron_parallel.memory`` (tensor bytes of the worst pp rank, plus the
@@ -30,15 +30,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..config import LAYOUT_FIELDS, ParallelConfig
+from ..utils import divisors, split_layers
 from .hardware import HardwareSpec, get_hardware
-from .memory import STATES, GiB, ModelShape, even_layer_split, model_states_bytes, stage_memory
+from .layout import tp_problems
+from .memory import STATES, GiB, ModelShape, model_states_bytes, stage_memory
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MICRO_BATCHES = (1, 2, 4, 8)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(slots=True)
@@ -73,8 +72,6 @@ class Candidate:
         """This layout as the engine's ``ParallelConfig`` (``mixed_precision`` fp32 for ``fp32``,
         bf16 otherwise; the engine's bf16 keeps fp32 states, which ``bf16_autocast`` plans for).
         The batch split goes to ``TrainConfig(micro_batch_size=..., grad_accum=...)``."""
-        from .config import ParallelConfig
-
         return ParallelConfig(
             tp=self.tp,
             pp=self.pp,
@@ -104,7 +101,7 @@ class Candidate:
 
 
 @dataclass(slots=True)
-class PlanReport:
+class LayoutSearch:
     """Every candidate, best first: fitting ones by predicted tokens/s, then those that do not fit
     (least memory first), then invalid splits."""
 
@@ -152,16 +149,7 @@ def _tp_problems(shape: ModelShape, tp: int, hw: HardwareSpec, seq_len: int) -> 
             f"tp={tp} does not fit within a {hw.name} node of {hw.ranks_per_node} ranks (TP needs the "
             f"node's links); use tp dividing {hw.ranks_per_node}"
         )
-    if shape.num_heads % tp:
-        out.append(f"tp={tp} does not divide the {shape.num_heads} attention heads")
-    kv = shape.num_kv_heads
-    if (tp > kv and tp % kv) or (tp < kv and kv % tp):
-        out.append(f"tp={tp} neither divides nor is a multiple of the {kv} KV heads")
-    if shape.intermediate_size % tp:
-        out.append(f"tp={tp} does not divide intermediate_size={shape.intermediate_size}")
-    if shape.vocab_size % tp:
-        out.append(f"tp={tp} does not divide vocab_size={shape.vocab_size}; pad the vocabulary to a multiple of {tp}")
-    return out
+    return out + tp_problems(shape, tp)
 
 
 def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: int, fixed: dict):
@@ -176,10 +164,12 @@ def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: 
             if sp and (tp == 1 or seq_len % tp):
                 continue
             for ac in acs:
-                for b in (b for b in MICRO_BATCHES if batch % b == 0):
+                pinned = fixed.get("micro_batch_size")
+                for b in (b for b in (divisors(pinned) if pinned else MICRO_BATCHES) if batch % b == 0):
                     total = batch // b
                     if pp == 1:
-                        yield zero, sp, ac, "1f1b", 1, 1, b, total
+                        if pinned in (None, b):
+                            yield zero, sp, ac, "1f1b", 1, 1, b, total
                         continue
                     for sched in scheds:
                         v = fixed.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
@@ -191,6 +181,8 @@ def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: 
                                 continue
                             if sched == "interleaved_1f1b" and m % max(1, m // pp):
                                 continue  # torch: m must split into rounds of about pp microbatches
+                            if pinned not in (None, m * b):
+                                continue
                             yield zero, sp, ac, sched, v, m, b, total // m
 
 
@@ -244,7 +236,7 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
 
 
 def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, global_batch: int) -> None:
-    layers = even_layer_split(shape.num_layers, c.pp * c.virtual_stages)
+    layers = [len(r) for r in split_layers(shape.num_layers, c.pp * c.virtual_stages)]
     kw = dict(
         tp=c.tp,
         pp=c.pp,
@@ -308,26 +300,18 @@ def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) 
     usable = hw.memory_per_rank - hw.reserved_bytes
     for n in range(nodes, 64 * nodes + 1):
         world = n * hw.ranks_per_node
-        mp = max(t * p for t in _divisors(hw.ranks_per_node) for p in _divisors(world // t) if p <= shape.num_layers)
+        mp = max(t * p for t in divisors(hw.ranks_per_node) for p in divisors(world // t) if p <= shape.num_layers)
         need = model_states_bytes(shape.num_parameters / mp, dp=world // mp, zero_1=True, precision=precision)
         if need * (1 + hw.allocator_margin) <= usable:
             return n
     return None
 
 
-FIXABLE = (
-    "tp",
-    "pp",
-    "zero_1",
-    "sequence_parallel",
-    "num_microbatches",
-    "pipeline_schedule",
-    "virtual_stages",
-    "activation_checkpointing",
-)
+FIXABLE = LAYOUT_FIELDS + ("micro_batch_size",)
+"""What a search can be asked to keep: the layout fields and the micro batch."""
 
 
-def plan(
+def search_layouts(
     model_config,
     hardware: str | HardwareSpec,
     *,
@@ -337,7 +321,7 @@ def plan(
     precision: str = "bf16",
     ranks_per_node: int | None = None,
     fixed: dict | None = None,
-) -> PlanReport:
+) -> LayoutSearch:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
     read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
@@ -363,11 +347,11 @@ def plan(
     hw = get_hardware(hardware, ranks_per_node)
     world = nodes * hw.ranks_per_node
     out: list[Candidate] = []
-    for tp in _divisors(world):
+    for tp in divisors(world):
         if fixed.get("tp", tp) != tp:
             continue
         tp_why = _tp_problems(shape, tp, hw, seq_len)
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if fixed.get("pp", pp) != pp:
                 continue
             dp = world // (tp * pp)
@@ -412,7 +396,7 @@ def plan(
             c.memory_per_rank_bytes or 0,
         )
     )
-    report = PlanReport(
+    report = LayoutSearch(
         model=shape,
         hardware=hw,
         nodes=nodes,
@@ -442,7 +426,7 @@ def plan(
     return report
 
 
-def format_table(report: PlanReport, limit: int = 10) -> str:
+def format_table(report: LayoutSearch, limit: int = 10) -> str:
     """The best ``limit`` plans and a sample of rejected ones, as text."""
     hw = report.hardware
     n = report.model.num_parameters

@@ -1,0 +1,3 @@
+"""Planning a run without torch: the hardware catalog (``hardware``), the memory model
+(``memory``), checking one layout (``layout``), searching every layout (``search``) and turning
+a request with ``auto`` fields into the layout a job runs (``resolve``)."""

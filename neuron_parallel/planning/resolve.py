@@ -1,0 +1,104 @@
+"""From a request with some layout fields left open to the layout a job runs.
+
+A request pins some of ``PLANNED_FIELDS`` (the layout and the micro batch) and leaves the rest
+to the search: the fastest layout that fits the hardware, keeping every pinned value. A request
+that pins everything is taken as given. Either way the result is then checked against the model
+(``layout.check_layout``) by the caller that builds the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import LAYOUT_FIELDS, LaunchConfig, ParallelConfig
+from .search import FIXABLE, Candidate, LayoutSearch, search_layouts
+
+DEVICE_HARDWARE = {"cpu": "cpu", "cuda": "p5.48xlarge", "neuron": "trn2.48xlarge"}
+"""The hardware kind planned for when none is named, by device."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedLayout:
+    """The layout and micro batch a request resolves to, and the search that chose them (None
+    when the request pinned everything)."""
+
+    parallel: ParallelConfig
+    micro_batch_size: int
+    search: LayoutSearch | None = None
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.search.best if self.search else None
+
+
+def check_pinned(fixed: dict[str, Any], *, world_size: int, layer_split: list[int] | None) -> None:
+    """What can be checked of a partly pinned layout before the model is read; raises
+    ``ValueError`` naming the fix."""
+    if set(FIXABLE) <= set(fixed):
+        ParallelConfig.for_world(world_size, layer_split=layer_split, **{k: fixed[k] for k in LAYOUT_FIELDS})
+        return
+    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+    if world_size % (tp * pp):
+        ParallelConfig.for_world(world_size, tp=tp, pp=pp)  # raises, listing the splits that divide
+    if fixed.get("sequence_parallel") is True and tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp")
+    if layer_split is not None and "pp" not in fixed:
+        raise ValueError(
+            "parallel.layer_split needs a fixed parallel.pp (one layer count per stage); set pp or drop layer_split"
+        )
+    if fixed.get("pipeline_schedule") == "zbv":
+        raise ValueError(
+            "the planner does not model pipeline_schedule=zbv; with zbv give the whole layout "
+            f"({', '.join(FIXABLE)}), or choose another schedule"
+        )
+
+
+def resolve_layout(
+    model_path: str | Path,
+    fixed: dict[str, Any],
+    *,
+    launch: LaunchConfig,
+    hardware: str | None,
+    seq_len: int,
+    global_batch_size: int,
+    mixed_precision: str = "fp32",
+    layer_split: list[int] | None = None,
+) -> ResolvedLayout:
+    """The layout for ``fixed`` (pinned values of ``FIXABLE``) on ``launch``'s ranks.
+
+    Pinning every field returns it as given. Otherwise ``search_layouts`` ranks every layout of
+    the world on ``hardware`` (default by device, ``DEVICE_HARDWARE``) for this sequence length,
+    global batch and precision, keeping the pinned values; the fastest that fits wins. Raises
+    ``ValueError`` with the search's reason when nothing fits."""
+    world = launch.nproc_per_node * launch.nnodes
+    check_pinned(fixed, world_size=world, layer_split=layer_split)
+    if set(FIXABLE) <= set(fixed):
+        pc = ParallelConfig.for_world(
+            world,
+            mixed_precision=mixed_precision,
+            layer_split=layer_split,
+            **{k: fixed[k] for k in LAYOUT_FIELDS},
+        )
+        return ResolvedLayout(parallel=pc, micro_batch_size=fixed["micro_batch_size"])
+    fixed = dict(fixed)
+    if layer_split is not None and "virtual_stages" not in fixed:
+        fixed["virtual_stages"] = max(1, len(layer_split) // fixed["pp"])  # one count per stage
+    search = search_layouts(
+        Path(model_path) / "config.json",
+        hardware or DEVICE_HARDWARE[launch.device],
+        nodes=launch.nnodes,
+        seq_len=seq_len,
+        global_batch=global_batch_size,
+        precision="fp32" if mixed_precision == "fp32" else "bf16_autocast",
+        ranks_per_node=launch.nproc_per_node,
+        fixed=fixed,
+    )
+    best = search.best
+    if best is None:
+        raise ValueError(f"no parallel layout fits: {search.reason}")
+    # replace() re-runs ParallelConfig's checks with the precision and split asked for
+    pc = dataclasses.replace(best.to_parallel_config(), mixed_precision=mixed_precision, layer_split=layer_split)
+    return ResolvedLayout(parallel=pc, micro_batch_size=best.micro_batch_size, search=search)

@@ -1,0 +1,48 @@
+"""Small helpers shared across the library (no torch import: the planner uses them too)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
+"""The torch.distributed backend of each device type."""
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None = None) -> list[range]:
+    """Layer ranges per stage: the user's split, or as even as possible (earlier stages get the
+    extra layers, since the last stage also carries the norm, lm_head and loss)."""
+    if layer_split is not None:
+        if len(layer_split) != num_stages or sum(layer_split) != num_layers or any(n < 1 for n in layer_split):
+            raise ValueError(
+                f"parallel.layer_split={layer_split} must be {num_stages} positive counts summing to the "
+                f"model's {num_layers} layers"
+            )
+        counts = list(layer_split)
+    else:
+        if num_stages > num_layers:
+            raise ValueError(
+                f"{num_stages} pipeline stages (pp × virtual_stages) exceed the model's {num_layers} layers; "
+                f"use pp × virtual_stages <= {num_layers}"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
