@@ -7,7 +7,7 @@ TINY := .tiny
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test test-slow bench serve clean chromium
+.PHONY: demo test test-unit test-dist test-e2e lint test-slow bench serve clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,23 @@ chromium:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) chromium
+# Lint and format are part of the test: CI runs `make test`.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint chromium
 	$(BIN)/python -m pytest -q --durations=15
+
+# The tiers alone: unit (no processes, about a minute), dist (torchrun), e2e (Prefect, browser).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q tests/dist
+
+test-e2e: $(STAMP) chromium
+	$(BIN)/python -m pytest -q tests/e2e
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

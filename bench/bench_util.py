@@ -1,5 +1,6 @@
 """Process helpers shared by the benchmarks: child processes with an offline, quiet environment
-and an optional CPU monitor, torchrun command lines, medians, load average, timestamped logs."""
+and an optional CPU monitor, torchrun launches through ``neuron_parallel.launch.run_ranks``,
+medians, load average, timestamped logs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 from cpu_monitor import CpuMonitor  # bench/ is the running script's own directory, first on sys.path
+
+from neuron_parallel.launch import RanksResult, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +38,18 @@ def child_env(threads: int, extra_path: str | None = None) -> dict[str, str]:
     return env
 
 
+def _failure(label: str, code, output: str) -> RuntimeError:
+    """The error a failed child raises: its first traceback (or its last 40 lines) and its end."""
+    text = output.splitlines()
+    first = next((i for i, x in enumerate(text) if "Traceback" in x), max(0, len(text) - 40))
+    tail = "\n".join(text[first : first + 40] + ["..."] + text[-10:])
+    return RuntimeError(f"{label} failed (exit {code}):\n{tail}")
+
+
+def _monitor(proc_pid: int, monitor: tuple[Path, str, int] | None) -> CpuMonitor | None:
+    return CpuMonitor(proc_pid, *monitor) if monitor and sys.platform.startswith("linux") else None
+
+
 def run_child(
     cmd: list[str],
     *,
@@ -44,8 +59,9 @@ def run_child(
     extra_path: str | None = None,
     monitor: tuple[Path, str, int] | None = None,
 ) -> tuple[float, CpuMonitor | None]:
-    """Run a child process; raise with its output on failure. Returns wall seconds and the CPU
-    monitor (``monitor`` = per-step log, marker in the workers' command lines, number of workers)."""
+    """Run a single child process (not torchrun: that is ``run_ranks_child``); raise with its output
+    on failure. Returns wall seconds and the CPU monitor (``monitor`` = per-step log, marker in the
+    workers' command lines, number of workers)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
@@ -57,7 +73,7 @@ def run_child(
             text=True,
             start_new_session=True,
         )
-        mon = CpuMonitor(proc.pid, *monitor) if monitor and sys.platform.startswith("linux") else None
+        mon = _monitor(proc.pid, monitor)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -69,15 +85,51 @@ def run_child(
                 mon.stop()
         if code != 0:
             out.seek(0)
-            text = out.read().splitlines()
-            first = next((i for i, x in enumerate(text) if "Traceback" in x), max(0, len(text) - 40))
-            tail = "\n".join(text[first : first + 40] + ["..."] + text[-10:])
-            raise RuntimeError(f"{label} failed (exit {code}):\n{tail}")
+            raise _failure(label, code, out.read())
     return time.perf_counter() - t0, mon
 
 
-def torchrun_cmd(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def run_ranks_child(
+    target: str | Path,
+    nproc: int,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    threads: int,
+    timeout: float,
+    label: str,
+    extra_path: str | None = None,
+    monitor: tuple[Path, str, int] | None = None,
+) -> tuple[RanksResult, CpuMonitor | None]:
+    """``target`` (a script or module) on ``nproc`` local ranks through the project's launcher
+    (``neuron_parallel.launch.run_ranks``: torchrun standalone) in the environment of
+    ``child_env``; raise with its output on failure. Returns the launcher's result (``seconds``:
+    the run's wall time; ``results``: what the ranks reported with ``print_rank_result``) and
+    the CPU monitor of its workers (``monitor`` as for ``run_child``), attached to torchrun's
+    process tree as soon as torchrun has started."""
+    monitors: list[CpuMonitor] = []
+
+    def attach(proc: subprocess.Popen) -> None:
+        mon = _monitor(proc.pid, monitor)
+        if mon:
+            monitors.append(mon)
+
+    res = run_ranks(
+        target,
+        nproc,
+        args,
+        env=child_env(threads, extra_path),
+        timeout=timeout,
+        threads=threads,
+        cwd=ROOT,
+        on_start=attach if monitor else None,
+    )
+    mon = monitors[0] if monitors else None
+    if mon:
+        mon.stop()
+    if res.returncode != 0:
+        code = "timeout" if res.timed_out else res.returncode
+        raise _failure(label, code, res.stdout + "\n" + res.stderr)
+    return res, mon
 
 
 def median(xs):

@@ -3,9 +3,10 @@
     python bench/checkpoint_save.py [--hidden 1024] [--saves 3]
 
 One process (a world of one) holds the fp32 parameters of a Llama of width ``--hidden`` and
-AdamW state of the same shapes, alternates a stretch of "training" (matmuls, so the writer thread competes for the CPU as
-it would) with a save, and records the time each ``CheckpointWriter.save`` call blocked the
-loop, including any wait for the previous save to finish. The same loop runs with
+AdamW state of the same shapes, alternates a stretch of "training" (matmuls, so the writer
+thread competes for the CPU as it would) with a save, and records the time each
+``CheckpointWriter.save`` call blocked the loop, including any wait for the previous save to
+finish. The same loop runs with
 ``async_save=False`` and ``True``; the ratio of the mean blocked times is the result
 (goal <= 0.1x). Each mode's last checkpoint is validated, so both wrote the same complete thing.
 """

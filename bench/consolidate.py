@@ -487,7 +487,8 @@ def main() -> None:
         runs["cp"]["bytes"] = du(dst)
         shutil.rmtree(dst)
         print(
-            f"[bench] cp -r: {runs['cp']['seconds']:.2f}s (+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]",
+            f"[bench] cp -r: {runs['cp']['seconds']:.2f}s "
+            f"(+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]",
             flush=True,
         )
 
@@ -520,7 +521,8 @@ def main() -> None:
                     print(
                         f"[bench]   {t['name']}: {t['mib']:.0f} MiB, after read anon/file "
                         f"{t['after_read']['rss_anon_mib']:.0f}/{t['after_read']['rss_file_mib']:.0f} MiB, at write "
-                        f"{t.get('at_write', {}).get('rss_anon_mib', 0):.0f}/{t.get('at_write', {}).get('rss_file_mib', 0):.0f} MiB"
+                        f"{t.get('at_write', {}).get('rss_anon_mib', 0):.0f}/"
+                        f"{t.get('at_write', {}).get('rss_file_mib', 0):.0f} MiB"
                     )
             last = ph["per_tensor"][-1]
             print(
@@ -624,15 +626,20 @@ def print_table(facts: dict, runs: dict, g: dict) -> None:
         + f" on {os.cpu_count()} CPUs"
     )
     print()
-    hdr = f"{'run':<24}{'time s':>9}{'MB/s':>9}{'peak RSS MiB':>14}{'anon max':>10}{'file max':>10}{'out GB':>9}  verified"
+    hdr = (
+        f"{'run':<24}{'time s':>9}{'MB/s':>9}{'peak RSS MiB':>14}{'anon max':>10}{'file max':>10}{'out GB':>9}"
+        "  verified"
+    )
     print(hdr)
     print("-" * len(hdr))
     cp = runs["cp"]
     print(
-        f"{'cp -r':<24}{cp['seconds']:>9.2f}{nbytes / cp['seconds'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{cp['bytes'] / 1e9:>9.3f}  -"
+        f"{'cp -r':<24}{cp['seconds']:>9.2f}{nbytes / cp['seconds'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}"
+        f"{cp['bytes'] / 1e9:>9.3f}  -"
     )
     print(
-        f"{'cp -r + sync':<24}{cp['seconds_with_sync']:>9.2f}{nbytes / cp['seconds_with_sync'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}{'':>9}  -"
+        f"{'cp -r + sync':<24}{cp['seconds_with_sync']:>9.2f}{nbytes / cp['seconds_with_sync'] / 1e6:>9.0f}"
+        f"{'-':>14}{'-':>10}{'-':>10}{'':>9}  -"
     )
     for key, label in (("ours", "ours (streaming)"), ("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM merge")):
         if key not in runs:
@@ -649,7 +656,8 @@ def print_table(facts: dict, runs: dict, g: dict) -> None:
     print(f"[{mark(t['met'])}] throughput ours/cp = {t['ratio']:.2f}x (goal >= 0.8x)")
     t = g["throughput_vs_cp_plus_sync"]
     print(
-        f"[{mark(t['met'])}] throughput ours/(cp + sync) = {t['ratio']:.2f}x (goal >= 0.8x; ours fsyncs, plain cp does not)"
+        f"[{mark(t['met'])}] throughput ours/(cp + sync) = {t['ratio']:.2f}x "
+        "(goal >= 0.8x; ours fsyncs, plain cp does not)"
     )
     r = g["rss_vs_budget"]
     print(f"[{mark(r['met'])}] ours peak RSS {r['ours_mib']:.0f} MiB vs 2 x largest + 300 = {r['budget_mib']:.0f} MiB")
@@ -657,15 +665,18 @@ def print_table(facts: dict, runs: dict, g: dict) -> None:
         if f"rss_vs_{other}" in g:
             r = g[f"rss_vs_{other}"]
             print(
-                f"[{mark(r['met'])}] {label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = {r['ratio']:.1f}x (goal >= 5x)"
+                f"[{mark(r['met'])}] {label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = "
+                f"{r['ratio']:.1f}x (goal >= 5x)"
             )
     i = g["info_streaming_only"]
     print(
-        f"       (info) ours = {i['validate_s']:.2f}s up-front validation + {i['streaming_s']:.2f}s streaming; streaming alone "
+        f"       (info) ours = {i['validate_s']:.2f}s up-front validation + {i['streaming_s']:.2f}s streaming; "
+        "streaming alone "
         f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync"
     )
     print(
-        f"[{mark(g['outputs_verified'])}] every output verified (names, byte total, spot-checked tensors equal the pieces)"
+        f"[{mark(g['outputs_verified'])}] every output verified "
+        "(names, byte total, spot-checked tensors equal the pieces)"
     )
 
 

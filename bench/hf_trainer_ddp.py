@@ -9,9 +9,11 @@ import time
 
 import torch
 
+# The thread count is set before datasets and transformers are imported, as the plain loop
+# of train_throughput.py sets it first thing, so both baselines start their threads alike.
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-from datasets import load_from_disk
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from datasets import load_from_disk  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 cfg = json.loads(open(sys.argv[1]).read())
 

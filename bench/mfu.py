@@ -1,8 +1,9 @@
 """Part 4 of ``train_throughput.py``: MFU of a ~1B Llama (hidden 2048, 16 layers, 32 heads, 8 KV
-heads, intermediate 5632, vocab 32000, seq 2048; 0.85 B parameters) as one neuron_parallel ``CausalLMStage`` under bf16
-autocast with fp32 master weights, clipping and the engine's AdamW, FLOPs/token =
-6 N_non_embedding + 12 L H Q T (N counts every parameter but the input embedding table),
-peak 989 TFLOP/s dense bf16 (H100/H200, FACTS.md). Without CUDA it is reported as skipped.
+heads, intermediate 5632, vocab 32000, seq 2048; 0.85 B parameters) as one neuron_parallel
+``CausalLMStage`` under bf16 autocast with fp32 master weights, clipping and the engine's AdamW,
+FLOPs/token = 6 N_non_embedding + 12 L H Q T (N counts every parameter but the input embedding
+table), peak 989 TFLOP/s dense bf16 (NVIDIA H100 SXM and H200 datasheets). Without CUDA it is
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ MFU_SHAPE = dict(
     vocab_size=32000,
 )
 MFU_SEQ = 2048
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # FACTS.md, dense bf16
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # NVIDIA H100 SXM / H200 datasheets, dense bf16 (no sparsity)
 
 
 def run_mfu(
@@ -53,13 +54,12 @@ def run_mfu(
     materialize(stage, device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        for name, prm in stage.named_parameters():
+        for _name, prm in stage.named_parameters():
             if prm.dim() >= 2:
                 prm.normal_(0.0, config.initializer_range)
             else:
                 prm.fill_(1.0)
     stage.train()
-    stage.seq_len = seq
     named = list(stage.named_parameters())
     # As Engine builds it for tp == 1.
     opt = torch.optim.AdamW(param_groups(named, 0.0), lr=1e-4, betas=betas, eps=1e-8, foreach=True)

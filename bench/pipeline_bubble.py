@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_util import median, run_child, torchrun_cmd  # bench/ is first on sys.path
+from bench_util import median, run_ranks_child  # bench/ is first on sys.path
 
 # Sleep-stage durations (forward, backward): the goal rows, and a finer grain shown for its
 # sensitivity to the fixed per-step overhead.
@@ -164,7 +164,9 @@ def worker_pipe(cfg: dict) -> None:
         dist.all_gather_object(gathered, records)
         results.append({**case, "per_rank": gathered})
     if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(results))
+        from neuron_parallel.launch import print_rank_result
+
+        print_rank_result({"rank": rank, "cases": results})
     dist.destroy_process_group()
 
 
@@ -216,9 +218,9 @@ def run_pipe(
     seed: int,
     job: Path | None = None,
 ) -> list[dict]:
-    """Every case in one torchrun launch of ``max(pp)`` ranks; ``job`` (a job.json) for ``real``."""
+    """Every case in one launch of ``max(pp)`` ranks (``run_ranks``: torchrun); ``job`` (a job.json)
+    for ``real``. Rank 0 reports the gathered per-rank records with ``print_rank_result``."""
     tag = f"{mode}-" + "-".join(f"pp{c['pp']}m{c['m']}t{int(1e3 * c.get('tf', 0))}" for c in cases)
-    out = tmp / f"pipe-{tag}.json"
     nproc = max(c["pp"] for c in cases)
     cfg = dict(
         mode=mode,
@@ -227,19 +229,21 @@ def run_pipe(
         hidden=hidden,
         block_size=block_size,
         seed=seed,
-        out=str(out),
         job=str(job) if job else None,
     )
     cfg_path = tmp / f"pipe-{tag}.cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    run_child(
-        torchrun_cmd(nproc) + [str(Path(__file__).resolve()), str(cfg_path)],
+    run, _ = run_ranks_child(
+        Path(__file__).resolve(),
+        nproc,
+        [str(cfg_path)],
         threads=1,
         timeout=900,
         label=f"pipeline {tag}",
     )
-    return [{"mode": mode, **summarize_pipe(case, warmup)} for case in json.loads(out.read_text())]
+    (report,) = run.by_rank[0]
+    return [{"mode": mode, **summarize_pipe(case, warmup)} for case in report["cases"]]
 
 
-if __name__ == "__main__":  # a pp rank under torchrun, started by run_pipe
+if __name__ == "__main__":  # a pp rank under torchrun, started by run_pipe through run_ranks
     worker_pipe(json.loads(Path(sys.argv[1]).read_text()))

@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/planner.py [--quick] [--steps N] [--cases NAME,NAME]
 
-Every case is a real training run through the real entry point, one torchrun job per case:
-``torchrun --standalone --nproc_per_node N bench/planner.py --worker job.json out_dir``. The
-worker imports ``neuron_parallel.train``, replaces its checkpoint writer by a no-op (a save is
-not part of a training step's memory and the final step always saves) and runs
-``run_training(job)`` unchanged inside the measurement. Models are tiny-to-small Llama shapes
+Every case is a real training run through the real entry point, one torchrun job per case,
+launched by the project's launcher ``neuron_parallel.launch.run_ranks`` (``torchrun --standalone
+--nproc_per_node N bench/planner.py --worker job.json``); each rank reports its peak with
+``print_rank_result``. The worker imports ``neuron_parallel.train``, replaces its checkpoint
+writer by a no-op (a save is not part of a training step's memory and the final step always
+saves) and runs ``run_training(job)`` unchanged inside the measurement. Models are tiny-to-small Llama shapes
 from ``neuron_parallel.tiny.make_tiny_world`` (GQA, untied), data its pydoc corpus packed by
 ``neuron_parallel.data.tokenize_dataset``; fp32 on CPU with gloo; dp, tp, sp, pp (1F1B and
 GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode.
@@ -21,11 +22,12 @@ table can say in which phase (forward/backward, reduction, optimizer) the peak f
 Prediction: ``neuron_parallel.planning.memory.job_rank_memory`` for that rank's (pp rank, dp rank), i.e.
 the planner's own model, tensor bytes only (the allocator margin the planner adds for device
 allocators is not tensor memory and is left out here). Constants are those stated in
-``neuron_parallel/memory.py``; nothing is fitted per case. A case passes when every rank is
+``neuron_parallel/planning/memory.py``; nothing is fitted per case. A case passes when every rank is
 within ±15 %; the table shows the rank with the largest measured peak.
 
-Then the step-time model against the published anchors of FACTS.md (Llama-3.1-8B and 70B on
-32 × trn1.32xlarge): predicted and published tokens/s per instance, for information.
+Then the step-time model against AWS's published Neuron distributed training throughput for
+Llama-3.1-8B and 70B (NeuronX Distributed on 32 × trn1.32xlarge): predicted and published tokens/s
+per instance, for information.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from neuron_parallel.launch import print_rank_result, run_ranks  # noqa: E402
 from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method  # noqa: E402
 from neuron_parallel.planning.memory import job_rank_memory  # noqa: E402
 
@@ -65,13 +67,26 @@ CASES = {
     "small-1rank-bf16": ("small", 256, 1, dict(mixed_precision="bf16"), 4),
     "small-tp2-sp-bf16": ("small", 256, 2, dict(tp=2, sequence_parallel=True, mixed_precision="bf16"), 4),
 }
+CASE_TIMEOUT_S = 1800
+"""Wall-clock limit of one case's launch (the largest cases take a few minutes on 2 cores)."""
 QUICK = ["small-1rank", "small-dp2-zero1", "small-tp2-sp", "small-pp2-1f1b", "small-recompute", "wide-tp4-kvrep"]
 
 
-def worker(job_path: str, out_dir: str) -> None:
-    """Inside torchrun: run_training(job) under the memory profiler; one JSON per rank."""
-    import torch
+def _in_phase(fn, name: str):
+    """``fn`` (an Engine method) inside a ``record_function`` range named for its phase."""
     from torch.profiler import record_function
+
+    def wrapped(self, *args, **kwargs):
+        with record_function(f"{PHASE_PREFIX}{name}"):
+            return fn(self, *args, **kwargs)
+
+    return wrapped
+
+
+def worker(job_path: str) -> None:
+    """Inside torchrun: run_training(job) under the memory profiler; each rank reports its peak
+    with ``print_rank_result``."""
+    import torch
 
     import neuron_parallel.train as train
     from neuron_parallel.config import JobConfig
@@ -89,22 +104,16 @@ def worker(job_path: str, out_dir: str) -> None:
 
     train.CheckpointWriter = NoCheckpoints
     for name in ("forward_backward", "reduce_and_clip", "optimizer_step"):
-
-        def wrapped(self, *args, _fn=getattr(Engine, name), _name=name, **kwargs):
-            with record_function(f"{PHASE_PREFIX}{_name}"):
-                return _fn(self, *args, **kwargs)
-
-        setattr(Engine, name, wrapped)
+        setattr(Engine, name, _in_phase(getattr(Engine, name), name))
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     with TensorMemoryProfile() as probe:
         train.run_training(JobConfig.load(job_path))
-    result = probe.peak()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+    print_rank_result({"rank": rank, **probe.peak()})
 
 
 def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
-    from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
+    from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
     from neuron_parallel.data import tokenize_dataset
     from neuron_parallel.planning.memory import ModelShape
 
@@ -115,35 +124,36 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
     )
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    pc = ParallelConfig.for_world(world, **parallel)
     job = JobConfig(
         model_path=paths["model"],
         dataset_path=ds.path,
         output_dir=str(run_dir),
-        block_size=seq,
-        parallel=ParallelConfig.for_world(world, **parallel),
-        train=TrainConfig(max_steps=steps, save_every=0, micro_batch_size=mbs, lr=1e-3, log_every=1),
+        data=DataConfig(source=paths["corpus"], block_size=seq, cache_dir=str(work / "datasets")),
+        parallel=pc,
+        # one micro batch per dp rank and step: no gradient accumulation
+        train=TrainConfig(
+            max_steps=steps, save_every=0, global_batch_size=mbs * pc.dp, micro_batch_size=mbs, lr=1e-3, log_every=1
+        ),
     )
     (run_dir / "job.json").write_text(job.to_json())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        str(Path(__file__).resolve()),
-        "--worker",
-        str(run_dir / "job.json"),
-        str(run_dir),
-    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode:
-        err = proc.stderr[max(0, proc.stderr.find("Traceback")) :][:3000]
-        raise SystemExit(f"case {name} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{err}")
+    res = run_ranks(
+        Path(__file__).resolve(),
+        world,
+        ["--worker", str(run_dir / "job.json")],
+        timeout=CASE_TIMEOUT_S,
+        threads=1,
+        cwd=ROOT,
+    )
+    if res.returncode:
+        err = res.stderr[max(0, res.stderr.find("Traceback")) :][:3000]
+        raise SystemExit(f"case {name} failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{err}")
     shape = ModelShape.from_config(paths["model"])
+    peaks = res.by_rank
     ranks = []
     for r in range(world):
-        meas = json.loads((run_dir / f"rank{r}.json").read_text())
+        (meas,) = peaks[r]
         pred = job_rank_memory(shape, job, r)
         ranks.append(
             {
@@ -197,8 +207,9 @@ def print_table(results: list[dict]) -> None:
         )
 
 
-# FACTS.md, "Published training throughput": Neuron distributed library on 32 × trn1.32xlarge,
-# seq 8192, bf16, global batch 1024 (our assumption); sequences/s of the whole job.
+# AWS's published Neuron distributed training throughput for Llama-3.1 (NeuronX Distributed
+# performance tables, AWS Neuron documentation) on 32 × trn1.32xlarge, seq 8192, bf16, global
+# batch 1024 (our assumption); sequences/s of the whole job.
 ANCHORS = {
     "Llama-3.1-8B TP32 DP32 ZeRO-1": (
         dict(
@@ -230,14 +241,14 @@ ANCHORS = {
 def anchors() -> list[dict]:
     """Predicted tokens/s of the published layouts (with SP, recompute, ZeRO-1, 1F1B, the
     fastest microbatching that fits) against the published figures; information only."""
-    from neuron_parallel.planning.search import search_layouts as plan
+    from neuron_parallel.planning.search import search_layouts
 
     rows = []
     for name, (config, split, published) in ANCHORS.items():
-        report = plan(config, "trn1.32xlarge", nodes=32, seq_len=8192, global_batch=1024)
+        report = search_layouts(config, "trn1.32xlarge", nodes=32, seq_len=8192, global_batch=1024)
         same = [
             c
-            for c in report.plans
+            for c in report.candidates
             if c.fits
             and (c.tp, c.pp, c.dp) == split
             and c.zero_1
@@ -290,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print_table(results)
-    print("\nStep-time model against FACTS.md's published anchors (32 × trn1.32xlarge, seq 8192, bf16):")
+    print(
+        "\nStep-time model against AWS's published Neuron training throughput for Llama-3.1 "
+        "(32 × trn1.32xlarge, seq 8192, bf16):"
+    )
     rows = anchors()
     ok = all(r["max_abs_error"] <= 0.15 for r in results)
     out = ROOT / "bench" / "results" / "planner.json"
@@ -305,6 +319,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+        worker(sys.argv[2])
     else:
         sys.exit(main())

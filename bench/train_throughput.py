@@ -9,8 +9,9 @@ rows of 128 + 1 tokens. Every timed run is its own process. The results are prin
 (metric, ours, baseline, ratio, goal, met?) and written to ``bench/results/train_throughput.json``.
 Nothing is hard-coded: every number is measured in this invocation.
 
-1. One rank. neuron_parallel through its real entry point
-   (``torchrun --standalone --nproc_per_node 1 -m neuron_parallel.train job.json``), read from the
+1. One rank. neuron_parallel through its real entry point, launched by the project's launcher
+   ``neuron_parallel.launch.run_ranks`` (``torchrun --standalone --nproc_per_node 1 -m
+   neuron_parallel.train job.json``), read from the
    run's ``metrics.jsonl`` (``tokens_per_s``, ``step_time_s``; warm-up steps skipped; median),
    against a plain loop in its own process: ``AutoModelForCausalLM.from_pretrained`` of the same
    directory, the same batches from ``BlockStream`` (same seed, same sample positions), the same
@@ -56,7 +57,7 @@ import time
 from pathlib import Path
 
 # bench/ is the script's own directory, first on sys.path
-from bench_util import ROOT, loadavg, log, median, run_child, torchrun_cmd
+from bench_util import ROOT, loadavg, log, median, run_child, run_ranks_child
 from mfu import run_mfu
 from pipeline_bubble import FINE_GRAIN, GRAIN, run_pipe
 
@@ -107,19 +108,20 @@ def write_job(
     num_microbatches: int = 1,
     schedule: str = "1f1b",
 ) -> Path:
-    from neuron_parallel.config import JobConfig, ParallelConfig, TrainConfig
+    from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
 
     job = JobConfig(
         model_path=world["model"],
         dataset_path=world["dataset"],
         output_dir=str(run_dir),
-        block_size=BLOCK_SIZE,
+        data=DataConfig(block_size=BLOCK_SIZE),
         parallel=ParallelConfig(dp=dp, pp=pp, num_microbatches=num_microbatches, pipeline_schedule=schedule),
         train=TrainConfig(
             max_steps=steps,
             save_every=0,
             keep_checkpoints=1,
             seed=SEED,
+            global_batch_size=mbs * dp,  # no gradient accumulation: one micro batch per rank and step
             micro_batch_size=mbs,
             lr=LR,
             lr_schedule="constant",
@@ -143,8 +145,10 @@ def write_job(
 def run_ours(tmp: Path, world: dict, *, nproc: int, threads: int, mbs: int, steps: int, warmup: int, tag: str) -> dict:
     run_dir = tmp / f"ours-{tag}"
     job = write_job(run_dir, world, dp=nproc, mbs=mbs, steps=steps)
-    wall, mon = run_child(
-        torchrun_cmd(nproc) + ["-m", "neuron_parallel.train", str(job)],
+    run, mon = run_ranks_child(
+        "neuron_parallel.train",
+        nproc,
+        [str(job)],
         threads=threads,
         timeout=900,
         label=f"neuron_parallel.train ({tag})",
@@ -158,7 +162,7 @@ def run_ours(tmp: Path, world: dict, *, nproc: int, threads: int, mbs: int, step
         "losses": [r["loss"] for r in rows],
         "tokens_per_step": mbs * nproc * BLOCK_SIZE,
         "sched": mon.per_step(warmup, steps) if mon else None,
-        "process_wall_s": wall,
+        "process_wall_s": run.seconds,
     }
 
 
@@ -282,8 +286,10 @@ def run_trainer(tmp: Path, world: dict, *, nproc: int, mbs: int, steps: int, war
     Path(cfg["lines"]).unlink(missing_ok=True)
     cfg_path = tmp / f"trainer-{tag}.cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    wall, mon = run_child(
-        torchrun_cmd(nproc) + [str(script), str(cfg_path)],
+    run, mon = run_ranks_child(
+        script,
+        nproc,
+        [str(cfg_path)],
         threads=1,
         timeout=900,
         label=f"HF Trainer DDP ({tag})",
@@ -307,7 +313,7 @@ def run_trainer(tmp: Path, world: dict, *, nproc: int, mbs: int, steps: int, war
         "optim": res["optim"],
         "wrapped": res["wrapped"],
         "accelerate": how,
-        "process_wall_s": wall,
+        "process_wall_s": run.seconds,
     }
 
 

@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--precision", choices=["bf16", "fp32", "bf16_autocast"], default="bf16")
     p.add_argument("--ranks-per-node", type=int, help="override the hardware's ranks per node (e.g. cpu)")
-    p.add_argument("--top", type=int, default=10, help="plans shown in the table")
-    p.add_argument("--json", action="store_true", help="every candidate as JSON: feasible, plans (best first)")
+    p.add_argument("--top", type=int, default=10, help="layouts shown in the table")
+    p.add_argument("--json", action="store_true", help="every candidate as JSON: feasible, candidates (best first)")
     p.set_defaults(fn=cmd_plan)
     return parser
 

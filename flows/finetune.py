@@ -17,7 +17,7 @@ from neuron_flows.tasks.validate import validate
 
 
 @flow(name="finetune", log_prints=True)
-def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:
+def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:  # noqa: B008 (the UI form shows this default)
     """Fine-tune ``config.model`` on ``config.data`` and publish the consolidated model.
 
     Retrying a failed run reruns no finished step (results persist under a key of inputs, task

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .utils import sha256_file
+
 FORMAT_VERSION = 1
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -56,14 +58,6 @@ def _local_files(source: str | list[str]) -> list[Path] | None:
     return files
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def dataset_fingerprint(
     source: str | list[str], tokenizer_dir: str | Path, *, block_size: int, text_field: str, split: str
 ) -> str:
@@ -76,11 +70,11 @@ def dataset_fingerprint(
         h.update(f"hub:{source}".encode())
     else:
         for f in files:
-            h.update(_sha256_file(f).encode())
+            h.update(sha256_file(f).encode())
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model"):
         p = Path(tokenizer_dir) / name
         if p.exists():
-            h.update(name.encode() + _sha256_file(p).encode())
+            h.update(name.encode() + sha256_file(p).encode())
     return h.hexdigest()[:20]
 
 

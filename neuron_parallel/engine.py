@@ -3,7 +3,8 @@ forward, backward, gradient reduction and update.
 
 ``build_engine`` applies, in order: pipeline split → tensor + sequence parallelism →
 activation checkpointing (inside the stage forward) → materialisation and weight loading →
-optimizer (ZeRO-1 over dp when asked). Everything degenerates cleanly to one rank.
+optimizer (ZeRO-1 over dp when asked). Everything degenerates cleanly to one rank. Reading and
+writing checkpoints is :mod:`neuron_parallel.checkpoint.engine_state`'s business.
 """
 
 from __future__ import annotations
@@ -13,23 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .checkpoint.tensors import HFWeights, local_view
+from .checkpoint.tensors import HFWeights
 from .config import JobConfig
 from .mesh import ParallelDims
 from .models.causal_lm import build_meta_model, causal_lm_loss, load_config, load_weights, materialize
-from .optim import all_reduce_grads, clip_grad_norm, param_groups
+from .optim import all_reduce_grads, build_optimizer, clip_grad_norm
+from .parallel.dtensor import full
 from .parallel.pipeline import PipelineRunner, build_stages, stage_ids_for_rank, sum_tied_embedding_grads
 from .parallel.tensor import align_grad_placements, apply_tensor_parallel
-from .parallel.zero import Zero1Optimizer
-
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -46,21 +40,15 @@ class Engine:
     optimizer: object = field(init=False)
 
     def __post_init__(self) -> None:
-        cfg = self.job.train
-        named = self.named_parameters()
-        groups = param_groups(named, cfg.weight_decay)
-        if cfg.optimizer == "sgd":
-            cls, defaults = torch.optim.SGD, dict(lr=cfg.lr)
-        else:
-            cls, defaults = torch.optim.AdamW, dict(lr=cfg.lr, betas=cfg.betas, eps=1e-8)
-            if self.dims.tp == 1 and self.device.type in ("cpu", "cuda"):
-                # One fused kernel for all parameters: about 3x faster than the per-tensor loop
-                # on CPU. Kept to plain tensors on devices with a fused AdamW kernel.
-                defaults["fused"] = True
-        if self.job.parallel.zero_1 and self.dims.dp > 1:
-            self.optimizer = Zero1Optimizer(named, groups, cls, dp_group=self.dims.mesh["dp"].get_group(), **defaults)
-        else:
-            self.optimizer = cls(groups, **defaults)
+        zero_1 = self.job.parallel.zero_1 and self.dims.dp > 1
+        self.optimizer = build_optimizer(
+            self.named_parameters(),
+            self.job.train,
+            # One fused kernel for all parameters: about 3x faster than the per-tensor loop on
+            # CPU. Kept to plain tensors on devices with a fused AdamW kernel.
+            fused=self.dims.tp == 1 and self.device.type in ("cpu", "cuda"),
+            dp_group=self.dims.mesh["dp"].get_group() if zero_1 else None,
+        )
 
     @property
     def tied(self) -> bool:
@@ -100,11 +88,9 @@ class Engine:
             if self.runner is not None:
                 self.runner.loss_scale = scale
                 return self.runner.step(inputs if self.has_first else None, labels)
-            part = self.parts[0]
-            part.seq_len = inputs.shape[1]
-            loss = causal_lm_loss(part(inputs), labels)
+            loss = causal_lm_loss(self.parts[0](inputs, seq_len=inputs.shape[1]), labels)
             (loss * scale).backward()
-        return _full(loss.detach())
+        return full(loss.detach())
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Make gradients whole: align TP placements, sum tied embeddings across pipeline
@@ -129,80 +115,17 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _stored(self, name: str) -> bool:
-        """A tied lm_head is the embedding: stored once, under the embedding's name, even when
-        pipeline stages hold two copies of it."""
-        return not (self.tied and name.startswith("lm_head.weight"))
-
-    def _source_name(self, name: str) -> str:
-        return "model.embed_tokens.weight" + name[len("lm_head.weight") :] if not self._stored(name) else name
-
-    def model_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.named_parameters() if self._stored(name)}
-
-    def optim_tensors(self, dp_rank: int) -> dict[str, torch.Tensor]:
-        """Optimizer state this dp rank stores: ``<param name>.<state key>``: its own partition
-        under ZeRO-1, everything on dp rank 0 otherwise."""
-        if isinstance(self.optimizer, Zero1Optimizer):
-            state = self.optimizer.state_tensors()
-        elif dp_rank != 0:
-            state = {}
-        else:
-            names = {id(p): n for n, p in self.named_parameters()}
-            state = {
-                f"{names[id(p)]}.{key}": value
-                for p, st in self.optimizer.state.items()
-                for key, value in st.items()
-                if key in _STATE_KEYS
-            }
-        return {k: v for k, v in state.items() if self._stored(k)}
-
-    def load_checkpoint(self, tensors, step: int) -> None:
-        """Restore parameters and optimizer state from ``CheckpointTensors``, whatever layout
-        wrote them: every rank reads exactly the slices it now holds."""
-        for part in self.parts:
-            load_weights(part, tensors, tied=self.tied)
-
-        def read(key: str, like: torch.Tensor) -> torch.Tensor | None:
-            key = self._source_name(key)
-            if key not in tensors:
-                return None
-            local, _, offsets = local_view(torch.zeros_like(like))
-            return tensors.read(key, offsets, list(local.shape)).to(local.device)
-
-        if isinstance(self.optimizer, Zero1Optimizer):
-            self.optimizer.load_state(read, step)
-            return
-        for name, p in self.named_parameters():
-            state = {}
-            for key in _STATE_KEYS:
-                value = read(f"{name}.{key}", p)
-                if value is not None:
-                    holder = torch.zeros_like(p)
-                    local_view(holder)[0].copy_(value)
-                    state[key] = holder
-            if "exp_avg" in state:
-                state["step"] = torch.tensor(float(step))
-            if state:
-                self.optimizer.state[p] = state
-
 
 def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> Engine:
     """Build this rank's part of the model from ``job.model_path`` and its optimizer."""
-    pc = job.parallel
-    mesh = dims.mesh
+    pc, mesh = job.parallel, dims.mesh
     config = load_config(job.model_path)
     pp_rank = mesh["pp"].get_local_rank()
-    stage_ids = stage_ids_for_rank(pp_rank, pc.pp, pc.virtual_stages, pc.pipeline_schedule)
+    layout = {"pp": pc.pp, "virtual_stages": pc.virtual_stages, "schedule": pc.pipeline_schedule}
+    stage_ids = stage_ids_for_rank(pp_rank, **layout)
+    meta = build_meta_model(config)
     parts = build_stages(
-        build_meta_model(config),
-        config,
-        pp_rank=pp_rank,
-        pp=pc.pp,
-        virtual_stages=pc.virtual_stages,
-        schedule=pc.pipeline_schedule,
-        layer_split=pc.layer_split,
-        recompute_every=pc.activation_checkpointing,
+        meta, config, pp_rank=pp_rank, layer_split=pc.layer_split, recompute_every=pc.activation_checkpointing, **layout
     )
     weights = HFWeights(job.model_path)
     for part in parts:
@@ -213,14 +136,9 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
         part.train()
     runner = None
     if dims.pp > 1:
+        schedule = {"schedule": pc.pipeline_schedule, "num_microbatches": pc.num_microbatches}
+        pp_group = mesh["pp"].get_group()
         runner = PipelineRunner(
-            parts,
-            stage_ids,
-            pc.num_stages,
-            pp_group=mesh["pp"].get_group(),
-            device=device,
-            schedule=pc.pipeline_schedule,
-            num_microbatches=pc.num_microbatches,
-            loss_fn=causal_lm_loss,
+            parts, stage_ids, pc.num_stages, pp_group=pp_group, device=device, loss_fn=causal_lm_loss, **schedule
         )
     return Engine(job=job, dims=dims, device=device, config=config, parts=parts, stage_ids=stage_ids, runner=runner)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -175,3 +176,119 @@ def join(path: str | Path, *, timeout_s: float = 6 * 3600, poll_s: float = 2.0, 
         time.sleep(poll_s)
     data = json.loads(path.read_text())
     return run_torchrun(JobConfig.from_dict(data["job"]), LaunchConfig(**data["launch"]), **kwargs)
+
+
+RESULT_PREFIX = "@@neuron-ranks "
+"""A line a rank prints to report a result to ``run_ranks``: the prefix, then one JSON object
+(``{"rank": r, ...}``); ``print_rank_result`` writes it."""
+
+
+def print_rank_result(result: dict) -> None:
+    """Report ``result`` (a JSON-able dict, given this rank's ``"rank"`` if it has none) to
+    ``run_ranks``: one line, flushed at once so no other rank's output splits it."""
+    if "rank" not in result:
+        result = {"rank": int(os.environ.get("RANK", "0")), **result}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RanksResult:
+    """What ``run_ranks`` saw: the exit status, the whole output, and the structured lines in it
+    (``events``: the training entry point's ``EVENT_PREFIX`` lines; ``results``: every rank's
+    ``RESULT_PREFIX`` lines, in the order printed)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    events: list[dict]
+    results: list[dict]
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    @property
+    def by_rank(self) -> dict[int, list[dict]]:
+        out: dict[int, list[dict]] = {}
+        for r in self.results:
+            out.setdefault(int(r["rank"]), []).append(r)
+        return out
+
+    def tail(self, chars: int = 6000) -> str:
+        """The end of both streams, for an assertion message."""
+        head = f"rc={self.returncode} timed_out={self.timed_out}"
+        return f"{head}\n--- stdout\n{self.stdout[-chars:]}\n--- stderr\n{self.stderr[-chars:]}"
+
+
+def run_ranks(
+    target: str | Path,
+    nproc: int,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    threads: int = 1,
+    cwd: str | Path | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+) -> RanksResult:
+    """Run ``target`` on ``nproc`` local ranks under torchrun (standalone) and return what came
+    back. ``target`` is a script path (``*.py``) or a module name (run with ``-m``). The ranks get
+    ``OMP_NUM_THREADS=threads`` and unbuffered output on top of ``env``. On a timeout every rank
+    is ended (``kill_tree``) and the result has ``timed_out`` set and return code 124; nothing
+    is raised for a failing run: check ``returncode``. ``on_start(proc)``, if given, runs in a
+    thread next to the run once torchrun has started (to attach a monitor to its process tree,
+    or to kill it at a chosen moment); what it raises is raised here after the run."""
+    launch = LaunchConfig(nproc_per_node=nproc, omp_num_threads=threads)
+    cmd = torchrun_command("JOB", launch)
+    assert cmd[-3:] == ["-m", "neuron_parallel.train", "JOB"], cmd
+    target = str(target)
+    cmd = cmd[:-3] + ([target] if target.endswith(".py") else ["-m", target]) + [str(a) for a in args]
+    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    timed_out, watcher_error = False, []
+    watcher = None
+    if on_start:
+
+        def watch() -> None:
+            try:
+                on_start(proc)
+            except BaseException as e:  # re-raised in the caller once the run is over
+                watcher_error.append(e)
+
+        watcher = threading.Thread(target=watch, name="run_ranks-on_start", daemon=True)
+        watcher.start()
+    try:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_tree(proc, grace_s=5.0)
+            stdout, stderr = proc.communicate()
+    finally:
+        kill_tree(proc)
+    if watcher:
+        watcher.join()
+        if watcher_error:
+            raise watcher_error[0]
+    events, results = [], []
+    for line in stdout.splitlines():
+        if line.startswith(EVENT_PREFIX):
+            events.append(json.loads(line[len(EVENT_PREFIX) :]))
+        elif line.startswith(RESULT_PREFIX):
+            results.append(json.loads(line[len(RESULT_PREFIX) :]))
+    return RanksResult(
+        returncode=124 if timed_out else proc.returncode,
+        stdout=stdout,
+        stderr=stderr,
+        events=events,
+        results=results,
+        timed_out=timed_out,
+        seconds=time.monotonic() - t0,
+    )

@@ -23,6 +23,7 @@ On accelerators use the device allocator's own statistics instead; this module i
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import threading
 from pathlib import Path
@@ -111,3 +112,35 @@ def check_method() -> int:
             "150 000 000 and 1 000 000; it is not trustworthy with this torch build"
         )
     return peak
+
+
+class RankMemoryProbe:
+    """Peak tensor memory of this rank, on any device: :class:`TensorMemoryProfile` on CPU (with
+    phases ``phase(name)`` that ``peak`` can leave out), the device allocator's peak elsewhere
+    (phases are then not told apart). After the ``with`` block, ``measured`` is
+    ``{"peak": bytes, "phase": where the peak fell}``."""
+
+    def __init__(self, device: str, exclude: tuple[str, ...] = ()) -> None:
+        self.cpu = TensorMemoryProfile() if device == "cpu" else None
+        self.exclude = exclude
+        self.measured: dict = {}
+
+    def __enter__(self) -> RankMemoryProbe:
+        if self.cpu:
+            self.cpu.__enter__()
+        else:
+            torch.accelerator.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cpu:
+            self.cpu.__exit__(*exc)
+            self.measured = self.cpu.peak(exclude=self.exclude)
+        else:
+            self.measured = {"peak": torch.accelerator.max_memory_allocated(), "phase": "all (device allocator)"}
+
+    def phase(self, name: str):
+        """A context labelling what runs inside it as phase ``name`` (CPU only)."""
+        if self.cpu:
+            return torch.profiler.record_function(PHASE_PREFIX + name)
+        return contextlib.nullcontext()

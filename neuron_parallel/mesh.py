@@ -73,18 +73,6 @@ class ParallelDims:
         return self.dp * self.pp * self.tp
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
     def mesh(self) -> DeviceMesh:
         """The ("dp", "pp", "tp") mesh over the current process group."""
         if self._mesh is None:

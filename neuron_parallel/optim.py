@@ -6,9 +6,13 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
+from .parallel.dtensor import full, local
+from .parallel.zero import Zero1Optimizer
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""The per-parameter optimizer state tensors a checkpoint stores (AdamW moments, SGD momentum)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -35,8 +39,20 @@ def param_groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_deca
     ]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def build_optimizer(named_params: list, cfg: TrainConfig, *, fused: bool, dp_group=None):
+    """AdamW (or SGD) over ``named_params`` with decay on matrices only. ``fused`` picks torch's
+    one-kernel AdamW (plain tensors on CPU/CUDA). With ``dp_group`` the state is sharded over the
+    data-parallel ranks (ZeRO-1)."""
+    groups = param_groups(named_params, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        cls, defaults = torch.optim.SGD, dict(lr=cfg.lr)
+    else:
+        cls, defaults = torch.optim.AdamW, dict(lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+        if fused:
+            defaults["fused"] = True
+    if dp_group is not None:
+        return Zero1Optimizer(named_params, groups, cls, dp_group=dp_group, **defaults)
+    return cls(groups, **defaults)
 
 
 def _buckets(grads: list[torch.Tensor], cap: int):
@@ -58,7 +74,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group, world: int, bucket
     rather than per tensor). Sum then divide: gloo has no AVG or PREMUL_SUM reduction."""
     if world == 1:
         return
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
@@ -81,9 +97,7 @@ def clip_grad_norm(
     for p in counted:
         if p.grad is None:
             continue
-        n = torch.linalg.vector_norm(p.grad.float())
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
+        n = full(torch.linalg.vector_norm(p.grad.float()))
         sq += n.to(sq.device) ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)

@@ -2,10 +2,13 @@
 
     torchrun --nproc_per_node N -m neuron_parallel.train RUN_DIR/job.json
 
-Resumes from the newest complete checkpoint in the run directory (or ``resume_from``), trains
-to ``train.max_steps``, writes ``metrics.jsonl`` (rank 0, one object per optimizer step) and
-checkpoints every ``train.save_every`` steps. Progress goes to stdout as one JSON object per
+Resumes from the newest complete checkpoint in the run directory (or ``train.resume_from``),
+trains to ``train.max_steps``, writes ``metrics.jsonl`` (rank 0, one object per optimizer step)
+and checkpoints every ``train.save_every`` steps. Progress goes to stdout as one JSON object per
 line prefixed with ``EVENT_PREFIX``, which the launcher turns into progress events.
+
+One optimizer step always consumes ``train.global_batch_size`` sequences (:data:`BATCH_RULE`);
+the start event and every checkpoint's ``trainer_state.json`` state the numbers behind it.
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointTensors, CheckpointWriter
+from .checkpoint.engine_state import load_engine_state, model_tensors, optim_tensors
 from .checkpoint.resume import find_resume_checkpoint
 from .config import JobConfig
 from .data import BlockStream
-from .engine import build_engine
-from .memprof import PHASE_PREFIX, TensorMemoryProfile
+from .engine import Engine, build_engine
+from .memprof import RankMemoryProbe
 from .mesh import ParallelDims, init_distributed, local_device
 from .optim import lr_at
 from .planning.layout import check_layout
@@ -33,13 +39,211 @@ from .planning.memory import ModelShape, job_rank_memory
 
 EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
-"""Failure injection: every rank exits with an error right after the checkpoint of this step."""
+"""Failure injection for tests: every rank exits with status 3 right after the checkpoint of this
+step is complete (see :func:`fail_after_checkpoint`)."""
+BATCH_RULE = (
+    "global_batch_size = micro_batch_size × dp × grad_accum, fixed by train.global_batch_size whatever the layout"
+)
+_LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
+
+CheckpointHook = Callable[["Trainer", int], None]
+"""Called on every rank as ``hook(trainer, step)`` once the checkpoint of ``step`` is written
+(or, with ``train.async_save``, handed to the background writer)."""
 
 
 def emit(event: str, **fields) -> None:
     """A structured progress line on stdout (rank 0 only)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def batch_layout(job: JobConfig) -> dict:
+    """The numbers of the batch rule for this job, and the rule itself."""
+    return {
+        "global_batch_size": job.global_batch_size,
+        "micro_batch_size": job.train.micro_batch_size,
+        "dp": job.parallel.dp,
+        "grad_accum": job.grad_accum,
+        "batch_rule": BATCH_RULE,
+    }
+
+
+def fail_after_checkpoint(fail_step: int) -> CheckpointHook:
+    """A hook that ends every rank with status 3 right after the checkpoint of ``fail_step`` is
+    complete on disk (after ``writer.wait()`` and a barrier), emitting ``failure_injected``. A
+    run resumed past that step never reaches it, so it does not fail again."""
+
+    def hook(trainer: Trainer, step: int) -> None:
+        if step == fail_step:
+            trainer.writer.wait()
+            dist.barrier()
+            emit("failure_injected", step=step)
+            os._exit(3)
+
+    return hook
+
+
+def _hooks_from_env() -> list[CheckpointHook]:
+    fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
+    return [fail_after_checkpoint(fail_after)] if fail_after else []
+
+
+def _phase(probe: RankMemoryProbe | None, name: str):
+    return probe.phase(name) if probe else contextlib.nullcontext()
+
+
+@dataclass
+class Trainer:
+    """One rank's training loop over an already built (and, if resuming, loaded) engine."""
+
+    job: JobConfig
+    engine: Engine
+    stream: BlockStream
+    dims: ParallelDims
+    writer: CheckpointWriter
+    metrics_path: Path
+    probe: RankMemoryProbe | None = None
+    after_checkpoint: list[CheckpointHook] = field(default_factory=list)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coordinates()["dp_rank"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.job.global_batch_size * self.job.block_size
+
+    def run(self, start_step: int) -> None:
+        """Optimizer steps ``start_step + 1 .. train.max_steps``, then wait for the last save."""
+        tc = self.job.train
+        t_start = time.perf_counter()
+        for step in range(start_step + 1, tc.max_steps + 1):
+            record = self.train_step(step)
+            record["elapsed_s"] = time.perf_counter() - t_start
+            if dist.get_rank() == 0:
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if step % tc.log_every == 0 or step == tc.max_steps:
+                emit("step", max_steps=tc.max_steps, **record)
+            if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
+                self.checkpoint(step, record)
+        with _phase(self.probe, "save"):
+            self.writer.wait()
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step over ``global_batch_size`` sequences: this dp rank's share, in
+        ``grad_accum`` micro-batches. Returns the step's metrics record (loss averaged over dp)."""
+        job, tc, dp = self.job, self.job.train, self.dims.dp
+        t0 = time.perf_counter()
+        torch.manual_seed(tc.seed * 100_003 + step)
+        mbs, base = tc.micro_batch_size, (step - 1) * job.global_batch_size
+        loss_sum = torch.zeros((), device=self.engine.device)
+        for a in range(job.grad_accum):
+            inputs, labels = self.stream.batch(base + a * mbs * dp + self.dp_rank * mbs, mbs)
+            loss_sum += self.engine.forward_backward(inputs, labels, 1.0 / job.grad_accum)
+        grad_norm = self.engine.reduce_and_clip()
+        lr = lr_at(step, tc)
+        self.engine.optimizer_step(lr)
+        loss = loss_sum / job.grad_accum
+        dist.all_reduce(loss, group=self.dims.mesh["dp"].get_group())
+        dt = time.perf_counter() - t0
+        return {
+            "step": step,
+            "loss": loss.item() / dp,
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": self.tokens_per_step / dt,
+            "tokens_seen": step * self.tokens_per_step,
+            "step_time_s": dt,
+        }
+
+    def checkpoint(self, step: int, record: dict) -> None:
+        """Save the checkpoint of ``step``, emit a ``checkpoint`` event, run the hooks."""
+        t_save = time.perf_counter()
+        with _phase(self.probe, "save"):
+            path = self.writer.save(
+                step,
+                model=model_tensors(self.engine),
+                optim=optim_tensors(self.engine, self.dp_rank),
+                parallel=self.job.parallel,
+                trainer_state=self.trainer_state(step, record),
+            )
+        blocked = time.perf_counter() - t_save
+        emit("checkpoint", step=step, path=str(path), blocked_s=blocked, async_save=self.job.train.async_save)
+        for hook in self.after_checkpoint:
+            hook(self, step)
+
+    def trainer_state(self, step: int, record: dict) -> dict:
+        """The run record stored with the checkpoint of ``step``."""
+        tc, G = self.job.train, self.job.global_batch_size
+        return {
+            "step": step,
+            "tokens_seen": step * self.tokens_per_step,
+            "samples_seen": step * G,
+            **batch_layout(self.job),
+            "lr": record["lr"],
+            "lr_schedule": {k: getattr(tc, k) for k in _LR_FIELDS},
+            "seed": tc.seed,
+            "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
+            "metrics": record,
+        }
+
+
+def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = None) -> None:
+    """Train ``job`` on this rank (inside torchrun); ``after_checkpoint`` hooks run after every
+    checkpoint (see :data:`CheckpointHook`)."""
+    check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
+    init_distributed(job.device)
+    pc = job.parallel
+    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+    run_dir = Path(job.output_dir)
+    probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
+    with probe or contextlib.nullcontext():
+        trainer, start_step = _prepare(job, dims, run_dir, probe, list(after_checkpoint or ()))
+        trainer.run(start_step)
+    if probe:
+        _report_memory(probe, job, run_dir)
+    dist.barrier()
+    emit("done", step=job.train.max_steps, run_dir=str(run_dir))
+    dist.destroy_process_group()
+
+
+def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) -> tuple[Trainer, int]:
+    """Build the engine, restore the newest checkpoint if any, and announce the start."""
+    tc = job.train
+    metrics_path = run_dir / "metrics.jsonl"
+    torch.manual_seed(tc.seed)
+    stream = BlockStream(job.dataset_path, seed=tc.seed)
+    engine = build_engine(job, dims, local_device(job.device))
+    start_step = _resume(job, engine, run_dir, probe)
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_path, start_step)
+    pc = job.parallel
+    layout = {"tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, **batch_layout(job)}
+    emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **layout)
+    writer = CheckpointWriter(
+        run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints, async_save=tc.async_save
+    )
+    return Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks), start_step
+
+
+def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe) -> int:
+    """Load the checkpoint rank 0 picks (warning about any it skipped); the step it was at, or 0."""
+    found = find_resume_checkpoint(run_dir, job.train.resume_from) if dist.get_rank() == 0 else (None, [])
+    shared = [str(found[0]) if found[0] else None, found[1]]
+    dist.broadcast_object_list(shared, src=0)
+    for why in shared[1]:
+        emit("warning", message=why)
+    if not shared[0]:
+        return 0
+    with _phase(probe, "load"):
+        tensors = CheckpointTensors(shared[0])
+        step = tensors.manifest.step
+        load_engine_state(engine, tensors, step)
+        del tensors
+    emit("resumed", step=step, checkpoint=shared[0])
+    return step
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -50,190 +254,24 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
-def run_training(job: JobConfig) -> None:
-    check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
-    init_distributed(job.device)
-    device = local_device(job.device)
-    pc = job.parallel
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+def _report_memory(probe: RankMemoryProbe, job: JobConfig, run_dir: Path) -> None:
+    """Gather every rank's measured peak next to the planner's prediction; rank 0 writes
+    ``memory.json`` and emits a ``memory`` event."""
     rank = dist.get_rank()
-    run_dir = Path(job.output_dir)
-    probe = _MemoryProbe(job.device) if job.train.profile_memory else None
-    with probe or contextlib.nullcontext():
-        _run(job, dims, device, rank, run_dir, probe)
-    if probe:
-        probe.report(job, rank, run_dir)
-    dist.barrier()
-    emit("done", step=job.train.max_steps, run_dir=str(run_dir))
-    dist.destroy_process_group()
-
-
-def _phase(probe, name: str):
-    return probe.phase(name) if probe else contextlib.nullcontext()
-
-
-def _run(job: JobConfig, dims: ParallelDims, device, rank: int, run_dir: Path, probe) -> None:
-    tc = job.train
-    metrics_path = run_dir / "metrics.jsonl"
-    torch.manual_seed(tc.seed)
-    stream = BlockStream(job.dataset_path, seed=tc.seed)
-    engine = build_engine(job, dims, device)
-
-    start_step = 0
-    ckpt, skipped = find_resume_checkpoint(run_dir, job.train.resume_from) if rank == 0 else (None, [])
-    shared = [str(ckpt) if ckpt else None, skipped]
-    dist.broadcast_object_list(shared, src=0)
-    for why in shared[1]:
-        emit("warning", message=why)
-    if shared[0]:
-        with _phase(probe, "load"):
-            tensors = CheckpointTensors(shared[0])
-            start_step = tensors.manifest.step
-            engine.load_checkpoint(tensors, start_step)
-            del tensors
-        emit("resumed", step=start_step, checkpoint=shared[0])
+    predicted = job_rank_memory(ModelShape.from_config(job.model_path), job, rank)
+    mine = {
+        "rank": rank,
+        "measured_bytes": int(probe.measured["peak"]),
+        "phase": probe.measured["phase"],
+        "predicted_bytes": int(predicted.total),
+        "predicted": {k: int(v) if isinstance(v, float | int) else v for k, v in predicted.as_dict().items()},
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_path, start_step)
-    emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **_layout(job))
-
-    writer = CheckpointWriter(
-        run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints, async_save=tc.async_save
-    )
-    _train_steps(job, engine, stream, dims, device, writer, start_step, rank, metrics_path, probe)
-
-
-def _train_steps(job, engine, stream, dims, device, writer, start_step, rank, metrics_path, probe) -> None:
-    tc, pc = job.train, job.parallel
-    G = job.global_batch_size
-    mbs, dp_rank = tc.micro_batch_size, dims.coordinates()["dp_rank"]
-    tokens_per_step = G * job.block_size
-    fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
-    t_start = time.perf_counter()
-    for step in range(start_step + 1, tc.max_steps + 1):
-        t0 = time.perf_counter()
-        torch.manual_seed(tc.seed * 100_003 + step)
-        base = (step - 1) * G
-        loss_sum = torch.zeros((), device=device)
-        for a in range(job.grad_accum):
-            inputs, labels = stream.batch(base + a * mbs * pc.dp + dp_rank * mbs, mbs)
-            loss_sum += engine.forward_backward(inputs, labels, 1.0 / job.grad_accum)
-        grad_norm = engine.reduce_and_clip()
-        lr = lr_at(step, tc)
-        engine.optimizer_step(lr)
-        loss = loss_sum / job.grad_accum
-        dist.all_reduce(loss, group=dims.mesh["dp"].get_group())
-        loss = loss.item() / pc.dp
-        dt = time.perf_counter() - t0
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": tokens_per_step / dt,
-            "tokens_seen": step * tokens_per_step,
-            "step_time_s": dt,
-            "elapsed_s": time.perf_counter() - t_start,
-        }
-        if rank == 0:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        if step % tc.log_every == 0 or step == tc.max_steps:
-            emit("step", max_steps=tc.max_steps, **record)
-        if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
-            t_save = time.perf_counter()
-            with _phase(probe, "save"):
-                path = _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record)
-            emit(
-                "checkpoint",
-                step=step,
-                path=str(path),
-                blocked_s=time.perf_counter() - t_save,
-                async_save=tc.async_save,
-            )
-            if fail_after and step == fail_after:  # a run resumed past it does not fail again
-                writer.wait()
-                dist.barrier()
-                emit("failure_injected", step=step)
-                os._exit(3)
-    with _phase(probe, "save"):
-        writer.wait()
-
-
-def _save(writer, engine, step, dp_rank, pc, tc, tokens_per_step, G, lr, record) -> Path:
-    return writer.save(
-        step,
-        model=engine.model_tensors(),
-        optim=engine.optim_tensors(dp_rank),
-        parallel=pc,
-        trainer_state={
-            "step": step,
-            "tokens_seen": step * tokens_per_step,
-            "samples_seen": step * G,
-            "global_batch_size": G,
-            "lr": lr,
-            "lr_schedule": {
-                k: getattr(tc, k) for k in ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
-            },
-            "seed": tc.seed,
-            "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
-            "metrics": record,
-        },
-    )
-
-
-class _MemoryProbe:
-    """Peak tensor memory of this rank from before the model is built to the last step;
-    checkpoint loads and saves excluded (``train.profile_memory``)."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.cpu = TensorMemoryProfile() if device == "cpu" else None
-        self.measured: dict = {}
-
-    def __enter__(self):
-        if self.cpu:
-            self.cpu.__enter__()
-        else:
-            torch.accelerator.reset_peak_memory_stats()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cpu:
-            self.cpu.__exit__(*exc)
-            self.measured = self.cpu.peak(exclude=("save", "load"))
-        else:
-            self.measured = {"peak": torch.accelerator.max_memory_allocated(), "phase": "all (device allocator)"}
-
-    def phase(self, name: str):
-        if self.cpu:
-            return torch.profiler.record_function(PHASE_PREFIX + name)
-        return contextlib.nullcontext()
-
-    def report(self, job: JobConfig, rank: int, run_dir: Path) -> None:
-        """Gather every rank's measurement next to the planner's prediction; rank 0 writes
-        ``memory.json`` and emits a ``memory`` event."""
-        predicted = job_rank_memory(ModelShape.from_config(job.model_path), job, rank)
-        mine = {
-            "rank": rank,
-            "measured_bytes": int(self.measured["peak"]),
-            "phase": self.measured["phase"],
-            "predicted_bytes": int(predicted.total),
-            "predicted": {k: int(v) if isinstance(v, float | int) else v for k, v in predicted.as_dict().items()},
-        }
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            (run_dir / "memory.json").write_text(json.dumps(everyone, indent=1))
-            emit(
-                "memory",
-                ranks=[{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")} for r in everyone],
-            )
-
-
-def _layout(job: JobConfig) -> dict:
-    pc = job.parallel
-    return {"dp": pc.dp, "tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, "global_batch_size": job.global_batch_size}
+        (run_dir / "memory.json").write_text(json.dumps(everyone, indent=1))
+        brief = [{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")} for r in everyone]
+        emit("memory", ranks=brief)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m neuron_parallel.train RUN_DIR/job.json")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run_training(JobConfig.load(argv[0]))
+    run_training(JobConfig.load(argv[0]), after_checkpoint=_hooks_from_env())
 
 
 if __name__ == "__main__":

@@ -160,11 +160,11 @@ class FinetuneConfig(_Section):
         return self
 
     def library(self, section: str, **auto: Any):
-        """Section ``section`` as the library's dataclass; ``auto`` gives values for its ``auto``
-        fields (those left out keep the library default)."""
+        """Section ``section`` as the library's dataclass; ``auto`` gives values for the fields left
+        ``auto`` (a field set in the config keeps its value; one in neither keeps the default)."""
         names = {f.name for f in dataclasses.fields(SECTIONS[section])}
         values = {k: v for k, v in getattr(self, section).model_dump().items() if v != AUTO and k in names}
-        return SECTIONS[section](**{**values, **auto})
+        return SECTIONS[section](**{**auto, **values})
 
     def pinned(self) -> dict[str, Any]:
         """The planned fields that are set (not ``auto``), layout and micro batch together."""

@@ -17,8 +17,8 @@ GiB = 1 << 30
 def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    result, report = plan_layout(config, model_dir, dataset.path)
-    pc = result.parallel
+    layout, search = plan_layout(config, model_dir, dataset.path)
+    pc = layout.parallel
     chosen = {
         "dp": pc.dp,
         "tp": pc.tp,
@@ -28,33 +28,33 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
         "num_microbatches": pc.num_microbatches,
         "pipeline_schedule": pc.pipeline_schedule,
         "activation_checkpointing": pc.activation_checkpointing,
-        "micro_batch_size": result.micro_batch_size,
-        "grad_accum": result.grad_accum,
-        "global_batch_size": result.global_batch_size,
-        "parameters": result.num_parameters,
-        "layers_per_stage": str(result.layers_per_stage),
+        "micro_batch_size": layout.micro_batch_size,
+        "grad_accum": layout.grad_accum,
+        "global_batch_size": layout.global_batch_size,
+        "parameters": layout.num_parameters,
+        "layers_per_stage": str(layout.layers_per_stage),
     }
-    if report is None:
+    if search is None:
         create_table_artifact(key="plan", table=[chosen], description="Parallel layout given in the config, checked")
     else:
         create_table_artifact(
             key="plan",
-            table=ranking_rows(report),
+            table=ranking_rows(search),
             description=(
-                f"Layouts of {report.world_size} {report.hardware.name} ranks, best first (rank 1 is used); "
+                f"Layouts of {search.world_size} {search.hardware.name} ranks, best first (rank 1 is used); "
                 f"fixed in the config: {config.pinned() or 'nothing'}"
             ),
         )
-    log.info("plan: %s %s", chosen, "; ".join(result.notes))
-    return result
+    log.info("plan: %s %s", chosen, "; ".join(layout.notes))
+    return layout
 
 
-def ranking_rows(report, limit: int = 25) -> list[dict]:
+def ranking_rows(search, limit: int = 25) -> list[dict]:
     """The best ``limit`` fitting layouts, then one rejected layout per (tp, pp) with its reason."""
     rows, seen = [], set()
-    fitting = [c for c in report.plans if c.fits][:limit]
+    fitting = [c for c in search.candidates if c.fits][:limit]
     rejected = []
-    for c in report.plans:
+    for c in search.candidates:
         if not c.fits and (c.tp, c.pp) not in seen:
             seen.add((c.tp, c.pp))
             rejected.append(c)

@@ -15,11 +15,11 @@ from .config import FinetuneConfig
 
 
 @task(name="train", **STEP_POLICY)
-def train(config: FinetuneConfig, dataset: TokenizedDataset, plan: CheckedLayout) -> TrainResult:
+def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayout) -> TrainResult:
     """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, layout=plan)
+    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, layout=layout)
     progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
 
     def on_event(event: dict) -> None:

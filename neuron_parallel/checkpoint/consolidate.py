@@ -26,17 +26,10 @@ import torch
 from .format import HF_FILES, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
-from .tensors import CheckpointTensors, dtype_from_name
+from .tensors import CheckpointTensors, dtype_from_name, safetensors_dtype
 from .validate import validate_checkpoint
 
 BLOCK_BYTES = 32 << 20  # rows copied per write: memory stays near this, not the largest tensor
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-}
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -175,7 +168,7 @@ def _write_safetensors(path: Path, items, source: TensorSource) -> int:
     header, offset = {}, 0
     for name, shape, dtype in items:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": safetensors_dtype(dtype), "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()

@@ -28,6 +28,7 @@ permutation of the GQA QKV layer) follow the metadata the trainer wrote.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -295,7 +296,8 @@ class NeuronxCheckpoint:
             if missing:
                 self._problems.append(
                     f"{len(missing)} tensors of the model in config.json are in no rank file "
-                    f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a pipeline stage or rank is missing"
+                    f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); "
+                    "a pipeline stage or rank is missing"
                 )
             for name, (_, shape, _, _) in entries.items():
                 if name in expected and expected[name] != shape:
@@ -408,13 +410,9 @@ class NeuronxCheckpoint:
                     return []
                 shape[0] //= mult
             if role == 0 and g.permuted:
-                reader = lambda key=key, shape=shape, dtype=dtype, narrow=narrow: self._gather_heads(
-                    stage, key, shape, dtype, 0, heads, orders, narrow
-                )
+                reader = functools.partial(self._gather_heads, stage, key, shape, dtype, 0, heads, orders, narrow)
             else:
-                reader = lambda key=key, shape=shape, dtype=dtype, narrow=narrow: self._gather(
-                    stage, key, shape, dtype, 0, narrow=narrow
-                )
+                reader = functools.partial(self._gather, stage, key, shape, dtype, 0, narrow=narrow)
             entries.append((name, shape, dtype, reader))
         return entries
 

@@ -12,7 +12,6 @@ on. A crash at any point leaves the previous checkpoints untouched and at most a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..utils import sha256_file
 from .format import (
     COMPLETE,
     HF_FILES,
@@ -42,15 +42,9 @@ from .format import (
 )
 from .tensors import dtype_name, local_view
 
+__all__ = ["CheckpointWriter", "sha256_file"]
+
 _RANK_LISTING = "rank_{:05d}.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync(path: Path) -> None:

@@ -15,35 +15,55 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
 
+from ..parallel.dtensor import local_view
 from .format import Manifest, Piece
 
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
+__all__ = [
+    "DTYPES",
+    "CheckpointTensors",
+    "HFWeights",
+    "dtype_from_name",
+    "dtype_from_safetensors",
+    "dtype_name",
+    "local_view",
+    "safetensors_dtype",
+]
 
-
-def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name.removeprefix("torch.")]
+DTYPES: tuple[tuple[torch.dtype, str], ...] = (
+    (torch.float32, "F32"),
+    (torch.bfloat16, "BF16"),
+    (torch.float16, "F16"),
+    (torch.int64, "I64"),
+    (torch.int32, "I32"),
+)
+"""The tensor dtypes checkpoints hold, each with its safetensors header code. Our manifests
+name a dtype as torch prints it without the ``torch.`` prefix (``float32``)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"float32"``, the name manifests record."""
     return str(dtype).removeprefix("torch.")
 
 
-def local_view(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-    """``(local tensor, global shape, global offsets)`` of a DTensor shard or a plain tensor."""
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+_BY_NAME = {dtype_name(d): d for d, _ in DTYPES}
+_BY_CODE = {code: d for d, code in DTYPES}
+_CODES = {d: code for d, code in DTYPES}
 
-        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return t.to_local(), list(t.shape), list(offsets)
-    return t, list(t.shape), [0] * t.dim()
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """A manifest dtype name (``"float32"`` or ``"torch.float32"``) → ``torch.float32``."""
+    return _BY_NAME[name.removeprefix("torch.")]
+
+
+def dtype_from_safetensors(code: str) -> torch.dtype:
+    """A safetensors header dtype (``"F32"``) → ``torch.float32``."""
+    return _BY_CODE[code]
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"F32"``, the safetensors header dtype."""
+    return _CODES[dtype]
 
 
 def _overlap(a_off, a_shape, b_off, b_shape):
@@ -64,14 +84,6 @@ class _SafetensorsFile:
     the slice. The format is an 8-byte little-endian header length, a JSON header of
     ``{name: {dtype, shape, data_offsets}}`` and the raw bytes."""
 
-    _DTYPES = {
-        "F32": torch.float32,
-        "BF16": torch.bfloat16,
-        "F16": torch.float16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-    }
-
     def __init__(self, path: Path) -> None:
         self.path = path
         with open(path, "rb") as f:
@@ -83,7 +95,7 @@ class _SafetensorsFile:
         """The box ``[offsets, offsets + shape)`` of tensor ``key``: one read of the rows along
         dim 0 it spans, then a view of the other dims."""
         info = self.header[key]
-        dtype = self._DTYPES[info["dtype"]]
+        dtype = dtype_from_safetensors(info["dtype"])
         full = info["shape"]
         if not full:
             rows, row_shape, r0 = 1, [], 0

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..utils import sha256_file
 from .format import COMPLETE, MANIFEST, Manifest, resolve_checkpoint
-from .save import sha256_file
+from .tensors import dtype_name
 
 
 def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: bool = True) -> list[str]:
@@ -136,12 +137,12 @@ def _check_contents(ckpt: Path, manifest: Manifest, bad_files: set[str]) -> list
         try:
             with safe_open(str(ckpt / rel), framework="pt") as f:
                 keys = set(f.keys())
-                for name, entry, p in items:
+                for _name, entry, p in items:
                     if p.key not in keys:
                         problems.append(f"{ckpt / rel}: tensor {p.key} missing")
                         continue
                     t = f.get_tensor(p.key)
-                    if list(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != entry.dtype:
+                    if list(t.shape) != p.shape or dtype_name(t.dtype) != entry.dtype:
                         problems.append(
                             f"{ckpt / rel}: {p.key} is {list(t.shape)} {t.dtype}, manifest says {p.shape} {entry.dtype}"
                         )

@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..parallel.dtensor import local, local_view
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -65,9 +67,15 @@ class CausalLMStage(nn.Module):
     """Layers ``layer_ids`` of a Hugging Face causal LM, with its Hugging Face parameter names.
 
     ``forward`` takes token ids on the first stage and hidden states elsewhere, and returns
-    logits on the last stage and hidden states elsewhere. Rotary positions are computed for the
-    full sequence length ``seq_len`` (set per batch), since under sequence parallelism the
-    hidden states a layer sees hold only part of the sequence.
+    logits on the last stage and hidden states elsewhere.
+
+    Rotary positions cover the full sequence, ``0 .. seq_len - 1``, even where sequence
+    parallelism hands a layer only part of it. ``seq_len`` is a forward argument; when it is not
+    given (a pipeline stage other than the first receives only its activations from torch
+    pipelining, never extra arguments) it follows from the input: token ids are whole sequences,
+    and hidden states arriving between stages hold ``1 / sequence_shards`` of each sequence.
+    ``sequence_shards`` is fixed when the stage is sharded (tp under sequence parallelism, set
+    by :func:`neuron_parallel.parallel.tensor.apply_tensor_parallel`; 1 otherwise).
     """
 
     def __init__(self, full: nn.Module, layer_ids: range, *, first: bool, last: bool, recompute_every: int = 0):
@@ -81,15 +89,18 @@ class CausalLMStage(nn.Module):
         self.lm_head = full.lm_head if last else None
         self.first, self.last = first, last
         self.recompute_every = recompute_every
-        self.seq_len = 0
+        self.sequence_shards = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def full_seq_len(self, x: torch.Tensor) -> int:
+        """The whole sequence length of this stage's input ``x`` (ids or hidden states)."""
+        return x.shape[1] if self.first else x.shape[1] * self.sequence_shards
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        seq_len = seq_len or self.full_seq_len(x)
         h = self.model.embed_tokens(x) if self.first else x
-        if not self.seq_len:
-            raise RuntimeError("set stage.seq_len to the global sequence length before the forward pass")
-        local = h.to_local() if hasattr(h, "to_local") else h
-        positions = torch.arange(self.seq_len, device=local.device).unsqueeze(0)
-        rope = self.model.rotary_emb(local, positions)
+        local_h = local(h)
+        positions = torch.arange(seq_len, device=local_h.device).unsqueeze(0)
+        rope = self.model.rotary_emb(local_h, positions)
         for i, layer in enumerate(self.model.layers.values()):
             if self.training and self.recompute_every and i % self.recompute_every == 0:
                 h = checkpoint(layer, h, None, positions, None, False, rope, use_reentrant=False)
@@ -124,8 +135,6 @@ def materialize(stage: CausalLMStage, device: torch.device) -> None:
 def load_weights(stage: nn.Module, source, *, tied: bool) -> None:
     """Copy every parameter's local slice from ``source`` (``HFWeights`` or
     ``CheckpointTensors``), reading only the slice each rank holds."""
-    from ..checkpoint.tensors import local_view
-
     with torch.no_grad():
         for name, param in stage.named_parameters():
             local, gshape, offsets = local_view(param)

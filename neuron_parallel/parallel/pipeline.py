@@ -1,7 +1,7 @@
 """Pipeline parallelism: which stages a rank holds, building them, and running a schedule.
 
 The model is cut into ``pp × virtual_stages`` stages of consecutive decoder layers
-(:func:`neuron_parallel.models.causal_lm.split_layers`). Stage ``s`` lives on pp rank:
+(:func:`neuron_parallel.utils.split_layers`). Stage ``s`` lives on pp rank:
 
 * ``gpipe`` / ``1f1b``: ``s`` (one stage per rank);
 * ``interleaved_1f1b``: ``s % pp`` ("loop" placement: rank r holds r, r+pp, r+2pp, …);
@@ -35,9 +35,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
-from ..models.causal_lm import CausalLMStage, split_layers
+from ..models.causal_lm import CausalLMStage
+from ..utils import split_layers
+from .dtensor import align_grad, full, local
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -96,11 +97,6 @@ def build_stages(
     ]
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor loss (loss_parallel) as an ordinary tensor; plain tensors pass through."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 class PipelineRunner:
     """Wraps torch.distributed.pipelining PipelineStage(s) + schedule for this rank.
 
@@ -139,7 +135,6 @@ class PipelineRunner:
         self.loss_scale = loss_scale
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
-        self._mb_losses: list[torch.Tensor] = []
         self._batch_shape: tuple[int, ...] | None = None
         self.pipeline_stages = [
             PipelineStage(module, sid, num_stages, self.device, group=pp_group)
@@ -153,12 +148,10 @@ class PipelineRunner:
         self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Called on the last stage once per microbatch (and once more during the schedule's
-        # first-step shape inference, on placeholder data; step() keeps only the last m).
-        loss = self.loss_fn(output, target)
-        self._mb_losses.append(loss.detach())
-        # Equal microbatches: the batch mean is the mean of the microbatch means.
-        return loss * (self.loss_scale / self.num_microbatches)
+        # Called on the last stage once per microbatch. The value returned is the unscaled
+        # microbatch loss (the schedule hands it back through ``losses=``); only its gradient
+        # is scaled. Equal microbatches: the batch mean is the mean of the microbatch means.
+        return _ScaleGrad.apply(self.loss_fn(output, target), self.loss_scale / self.num_microbatches)
 
     def step(self, inputs: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch, split into ``num_microbatches``; gradients
@@ -166,8 +159,10 @@ class PipelineRunner:
         (unscaled, detached, fp32), identical on every pp rank.
 
         ``inputs`` (token ids) are needed only where the first stage lives; ``labels`` give the
-        global sequence length everywhere and the targets on the last stage. The batch shape
-        must stay the same across calls: receive buffers are sized on the first call.
+        targets on the last stage (every rank passes them, for the shape check). Stages find
+        the full sequence length for rotary positions from their input (see
+        :class:`~neuron_parallel.models.causal_lm.CausalLMStage`). The batch shape must stay
+        the same across calls: receive buffers are sized on the first call.
 
         Collectives: the schedule's send/recv between neighbouring stages on ``pp_group``
         (plus object send/recv for shape inference on the first call), then one all-reduce
@@ -189,33 +184,42 @@ class PipelineRunner:
             )
         if self.has_first and inputs is None:
             raise ValueError("this rank holds the first pipeline stage and needs the input ids")
-        for module in self.modules:
-            # Rotary positions cover the whole sequence, whatever sharding the stage applies.
-            module.seq_len = labels.shape[1]
-        self._mb_losses.clear()
         target = labels.to(self.device) if self.has_last else None
         args = (inputs.to(self.device),) if self.has_first else ()
-        self.schedule.step(*args, target=target, return_outputs=False)
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
 
         if self.has_last:
-            mb_losses = [_plain(loss).float() for loss in self._mb_losses[-m:]]
-            loss = torch.stack(mb_losses).mean()
+            loss = torch.stack([full(mb.detach()).float() for mb in losses]).mean()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._mb_losses.clear()
         # Only the last stage's rank holds the loss; a sum over pp hands it to every rank.
         dist.all_reduce(loss, group=self.pp_group)
         return loss
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in the forward pass; multiplies the incoming gradient by ``scale``. The loss
+    keeps its value for reporting while backward sees ``loss × scale``, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()  # a new tensor, not a view: the schedule detaches the loss in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def _aligned_grad(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad`` with the parameter's own placements (TP can deliver a vocab-sharded
-    embedding's grad replicated), created as zeros if backward left none."""
+    """The local shard of ``p.grad`` with the parameter's own placements (TP can deliver a
+    vocab-sharded embedding's grad replicated), created as zeros if backward left none."""
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    elif isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    else:
+        align_grad(p)
+    return local(p.grad)
 
 
 def sum_tied_embedding_grads(

@@ -24,8 +24,6 @@ sees its own query heads' contribution); :func:`align_grad_placements` sums the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -42,6 +40,9 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..models.causal_lm import CausalLMStage
+from ..planning.layout import check_tp
+from ..planning.memory import ModelShape
+from .dtensor import align_grad
 
 
 def kv_size_multiplier(num_kv_heads: int, tp: int) -> int:
@@ -62,11 +63,7 @@ def align_grad_placements(params) -> None:
     """
     with torch.no_grad():
         for p in params:
-            g = p.grad
-            if not isinstance(g, DTensor):
-                continue
-            if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
-                p.grad = g.redistribute(p.device_mesh, p.placements)
+            align_grad(p)
 
 
 def apply_tensor_parallel(
@@ -82,7 +79,9 @@ def apply_tensor_parallel(
     * with ``sequence_parallel``: activations between blocks are ``Shard(1)`` (sequence); forward
       all-gather before attention and before the MLP, reduce-scatter after o_proj and
       down_proj; backward the mirror image (reduce-scatter / all-gather). Norms run on
-      sequence shards. ``stage.seq_len`` must be divisible by tp.
+      sequence shards. The sequence length must be divisible by tp (checked before the
+      forward's first collective); the stage records ``sequence_shards = tp`` so that later
+      pipeline stages recover the full length for rotary positions.
 
     Embedding: forward all-reduce (reduce-scatter with SP) of the masked vocab-parallel lookup.
     lm_head: with SP an all-gather of the sequence before it; with ``loss_parallel`` the logits
@@ -100,7 +99,7 @@ def apply_tensor_parallel(
         raise ValueError(f"tp_mesh must be 1-D, got a {tp_mesh.ndim}-D mesh; pass mesh['tp']")
     tp = tp_mesh.size()
     config = stage.config
-    _check_tp(config, tp, has_vocab=stage.first or stage.last)
+    check_tp(ModelShape.from_config(config), tp, vocab=stage.first or stage.last)
     if tp == 1:
         return stage
 
@@ -111,7 +110,8 @@ def apply_tensor_parallel(
         kv_style = _ReplicatedKVColwise(_kv_mesh(tp_mesh, kv_heads, m))
     seq = Shard(1) if sequence_parallel else Replicate()
     if sequence_parallel:
-        stage.register_forward_pre_hook(functools.partial(_check_seq_len, tp=tp))
+        stage.sequence_shards = tp
+        stage.register_forward_pre_hook(_check_seq_len, with_kwargs=True)
     norm_style = SequenceParallel if sequence_parallel else _ReplicateParallel
 
     top: dict[str, ParallelStyle] = {}
@@ -133,33 +133,37 @@ def apply_tensor_parallel(
         stage.lm_head.weight = stage.model.embed_tokens.weight
 
     for layer in stage.model.layers.values():
-        attn = layer.self_attn
-        plan: dict[str, ParallelStyle] = {
-            "input_layernorm": norm_style(),
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": seq},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            ),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": kv_style,
-            "self_attn.v_proj": kv_style,
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "post_attention_layernorm": norm_style(),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        }
-        # Qwen3's per-head RMSNorm sees (batch, seq, local heads, head_dim): treat it as sharded
-        # on the heads dim so its replicated weight gets a Partial grad summed over tp.
-        for name in ("q_norm", "k_norm"):
-            if isinstance(getattr(attn, name, None), nn.Module):
-                plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, seq, norm_style, kv_style), src_data_rank=None)
         # HF reshapes with view(..., -1, head_dim), so only the GQA group size needs fixing.
         local_kv = 1 if m > 1 else kv_heads // tp
-        attn.num_key_value_groups = (heads // tp) // local_kv
+        layer.self_attn.num_key_value_groups = (heads // tp) // local_kv
     return stage
+
+
+def _layer_plan(layer: nn.Module, seq, norm_style, kv_style: ParallelStyle) -> dict[str, ParallelStyle]:
+    """The TP plan of one decoder layer; ``seq`` is the layout of activations between blocks."""
+    plan: dict[str, ParallelStyle] = {
+        "input_layernorm": norm_style(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": kv_style,
+        "self_attn.v_proj": kv_style,
+        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "post_attention_layernorm": norm_style(),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+    # Qwen3's per-head RMSNorm sees (batch, seq, local heads, head_dim): treat it as sharded
+    # on the heads dim so its replicated weight gets a Partial grad summed over tp.
+    for name in ("q_norm", "k_norm"):
+        if isinstance(getattr(layer.self_attn, name, None), nn.Module):
+            plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 _KV_MESHES: dict[tuple[DeviceMesh, int, int], tuple[object, DeviceMesh]] = {}
@@ -181,44 +185,14 @@ def _kv_mesh(tp_mesh: DeviceMesh, kv_heads: int, m: int) -> DeviceMesh:
     return cached[1]
 
 
-def _check_seq_len(stage: CausalLMStage, _args, *, tp: int) -> None:
-    if stage.seq_len % tp:
+def _check_seq_len(stage: CausalLMStage, args, kwargs) -> None:
+    """Refuse a sequence that does not split over the tp ranks, before any collective."""
+    tp = stage.sequence_shards
+    seq_len = kwargs.get("seq_len") or (args[1] if len(args) > 1 else None) or stage.full_seq_len(args[0])
+    if seq_len % tp:
         raise ValueError(
-            f"sequence parallelism shards the sequence over tp={tp} ranks, but seq_len={stage.seq_len} "
+            f"sequence parallelism shards the sequence over tp={tp} ranks, but seq_len={seq_len} "
             f"is not divisible by {tp}; use a block size that is a multiple of {tp}"
-        )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_tp(config, tp: int, *, has_vocab: bool) -> None:
-    """Refuse a tp degree the model cannot be split by, naming the degrees that work."""
-    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    valid = [t for t in _divisors(heads) if (kv % t == 0 or t % kv == 0) and inter % t == 0]
-    hint = (
-        f"; valid tp for this model (num_attention_heads={heads}, num_key_value_heads={kv}, "
-        f"intermediate_size={inter}): {valid}"
-    )
-    if heads % tp:
-        raise ValueError(f"tp={tp} does not divide num_attention_heads={heads}{hint}")
-    if tp > kv and tp % kv:
-        raise ValueError(
-            f"tp={tp} > num_key_value_heads={kv} needs tp to be a multiple of it "
-            f"(each KV head is then replicated on tp // {kv} ranks){hint}"
-        )
-    if tp < kv and kv % tp:
-        raise ValueError(f"tp={tp} does not divide num_key_value_heads={kv}{hint}")
-    if inter % tp:
-        raise ValueError(f"tp={tp} does not divide intermediate_size={inter}{hint}")
-    vocab = config.vocab_size
-    if has_vocab and vocab % tp:
-        padded = -(-vocab // tp) * tp
-        raise ValueError(
-            f"tp={tp} does not divide vocab_size={vocab}: pick tp dividing vocab_size "
-            f"(valid here: {[t for t in valid if vocab % t == 0]}) or pad the vocabulary to {padded} rows, the next "
-            f"multiple of tp (model.resize_token_embeddings({vocab}, pad_to_multiple_of={tp}), then save the model)"
         )
 
 
@@ -294,7 +268,8 @@ class _ReplicatedKVColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module) is not nn.Linear:
             raise ValueError(
-                f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; use tp <= num_key_value_heads for this model"
+                f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; "
+                "use tp <= num_key_value_heads for this model"
             )
         for name, p in list(module.named_parameters(recurse=False)):
             dp = distribute_tensor(p, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None)

@@ -21,9 +21,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from .dtensor import local
 
 
 class Zero1Optimizer:
@@ -32,8 +30,7 @@ class Zero1Optimizer:
     def __init__(
         self, named_params: list[tuple[str, nn.Parameter]], groups: list[dict], optimizer_class, *, dp_group, **defaults
     ) -> None:
-        self.named = named_params
-        alias_of = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for _, p in named_params}
+        alias_of = {id(p): nn.Parameter(local(p).detach(), requires_grad=p.requires_grad) for _, p in named_params}
         self.alias = [(name, p, alias_of[id(p)]) for name, p in named_params]
         alias_groups = [{**g, "params": [alias_of[id(p)] for p in g["params"]]} for g in groups]
         self.inner = ZeroRedundancyOptimizer(
@@ -50,7 +47,7 @@ class Zero1Optimizer:
 
     def step(self) -> None:
         for _, p, a in self.alias:
-            a.grad = None if p.grad is None else _local(p.grad)
+            a.grad = None if p.grad is None else local(p.grad)
         self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -78,16 +75,10 @@ class Zero1Optimizer:
                 out[f"{name}.{key}"] = value
         return out
 
-    def load_state(self, read, step: int) -> None:
-        """Fill the owned parameters' state from ``read(name, like)``, which returns the local
-        tensor shaped like ``like`` (a zero tensor with the parameter's layout) or None."""
+    def load_state(self, state_of) -> None:
+        """Install ``state_of(name, parameter)`` (the state dict of one parameter, its tensors
+        local shards, or empty) for every parameter this dp rank owns."""
         for name, p, a in self.owned():
-            state = {}
-            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-                value = read(f"{name}.{key}", p)
-                if value is not None:
-                    state[key] = value
-            if "exp_avg" in state:
-                state["step"] = torch.tensor(float(step))
+            state = state_of(name, p)
             if state:
                 self.inner.optim.state[a] = state

@@ -1,11 +1,10 @@
 """The hardware the planner can place a job on: one ``HardwareSpec`` per kind of node.
 
-Peaks and memory come from /work/shared/FACTS.md ("Hardware peaks (dense bf16)"). FACTS has no
-interconnect figures, so bandwidths come from the vendors' public specifications, each cited
-where it is set; they are nominal link rates, and the planner's step-time model is only as good
-as they are. ``efficiency`` (the fraction of the bf16 peak a large matmul reaches) and
-``reserved_bytes`` (runtime, collective-library buffers) are planning assumptions, stated as
-such.
+Peaks, memory and bandwidths come from the vendors' public specifications (AWS's Trainium and
+EC2 instance pages, NVIDIA's datasheets), each cited where it is set; bandwidths are nominal link
+rates, and the planner's step-time model is only as good as they are. ``efficiency`` (the
+fraction of the bf16 peak a large matmul reaches) and ``reserved_bytes`` (runtime,
+collective-library buffers) are planning assumptions, stated as such.
 
 More kinds load from YAML (``load_hardware``; keys are the ``HardwareSpec`` field names, sizes
 in bytes or with a GiB/GB/TB suffix); ``get_hardware`` accepts a catalog name or a YAML path.
@@ -76,14 +75,14 @@ class HardwareSpec:
         return dataclasses.replace(self, ranks_per_node=ranks_per_node, memory_per_rank=memory)
 
 
-# Trainium: FACTS gives per-chip bf16 peaks and memory; ranks are logical NeuronCores.
+# Trainium: per-chip dense bf16 peaks and memory from AWS; ranks are logical NeuronCores.
 # NeuronLink and EFA rates: AWS Neuron architecture pages (trn1-arch: NeuronLink-v2 384 GiB/s per
 # device, EFA 800 Gbps on trn1.32xlarge; trn2-arch: 16 chips in a 4x4 torus, NeuronLink-v3 about
 # 1 TB/s per chip, EFAv3 3.2 Tbps per trn2.48xlarge; trainium3 page: NeuronLink-v4 2.56 TB/s per
 # device, 16 chips per Trn3 Gen1 server). Per-rank bus bandwidth = per-chip link rate / ranks per
 # chip. Trn3's EFA rate is not published there: 3.2 Tbps as on trn2 is an assumption.
 # efficiency 0.40 for Trainium is an assumption; bench/planner.py compares the resulting
-# tokens/s with the published NxD anchors of FACTS.md.
+# tokens/s with AWS's published Neuron distributed-training throughput for Llama-3.1 8B and 70B.
 _CATALOG: dict[str, HardwareSpec] = {}
 
 
@@ -105,7 +104,8 @@ for _spec in (
         efficiency=0.40,
         reserved_bytes=1 * GiB,
         planning_only=True,
-        source="FACTS.md (190 TFLOP/s, 32 GiB per chip, 2 cores); AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
+        source="AWS Trainium pages (190 TFLOP/s, 32 GiB per chip, 2 cores); "
+        "AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
         "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
     ),
     HardwareSpec(
@@ -118,7 +118,8 @@ for _spec in (
         device="neuron",
         efficiency=0.40,
         reserved_bytes=1 * GiB,
-        source="FACTS.md (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); AWS trn2-arch (NeuronLink-v3, "
+        source="AWS Trainium pages (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); "
+        "AWS trn2-arch (NeuronLink-v3, "
         "EFAv3 3.2 Tbps)",
     ),
     HardwareSpec(
@@ -131,12 +132,14 @@ for _spec in (
         device="neuron",
         efficiency=0.40,
         reserved_bytes=1 * GiB,
-        source="FACTS.md (671 TFLOP/s, 144 GiB per chip); AWS trainium3 page (8 NeuronCore-v4 per chip, so 4 "
+        source="AWS Trainium pages (671 TFLOP/s, 144 GiB per chip); "
+        "AWS trainium3 page (8 NeuronCore-v4 per chip, so 4 "
         "ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
     ),
-    # NVIDIA: H100 SXM / H200 peaks and memory from FACTS. NVLink 4 is 900 GB/s bidirectional per
+    # NVIDIA: H100 SXM / H200 dense bf16 peaks and memory from NVIDIA's datasheets. NVLink 4 is
+    # 900 GB/s bidirectional per
     # GPU (450 GB/s each way, NVIDIA H100 datasheet); p5.48xlarge and p5en.48xlarge have 3200 Gbps
-    # of EFA (AWS EC2 P5 page). efficiency 0.55: FACTS gives 39-48% MFU end to end (torchtitan,
+    # of EFA (AWS EC2 P5 page). efficiency 0.55: published end-to-end MFU is 39-48% (torchtitan,
     # Megatron, LLM Foundry), so the matmuls alone must run somewhat above that.
     HardwareSpec(
         name="p5.48xlarge",
@@ -148,7 +151,7 @@ for _spec in (
         device="cuda",
         efficiency=0.55,
         reserved_bytes=2 * GiB,
-        source="FACTS.md (H100 SXM 989 TFLOP/s, 80 GB); NVIDIA H100 datasheet (NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
+        source="NVIDIA H100 SXM datasheet (989 TFLOP/s, 80 GB, NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
     ),
     HardwareSpec(
         name="h200x8",
@@ -160,7 +163,7 @@ for _spec in (
         device="cuda",
         efficiency=0.55,
         reserved_bytes=2 * GiB,
-        source="FACTS.md (H200 989 TFLOP/s, 141 GB); NVIDIA H200 datasheet (NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
+        source="NVIDIA H200 datasheet (989 TFLOP/s, 141 GB, NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
     ),
 ):
     register_hardware(_spec)
@@ -177,7 +180,7 @@ _ALIASES = {
 def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
     """This machine: one rank per core (or ``ranks_per_node``), the physical memory split evenly.
 
-    No figure here comes from FACTS: the peak is nominal (cores × 2.5 GHz × 32 fp32 FLOP/cycle for
+    No figure here is published: the peak is nominal (cores × 2.5 GHz × 32 fp32 FLOP/cycle for
     AVX2 FMA), gloo over loopback is taken as ~2 GB/s per rank. Good for relative ranking only.
     """
     cores = os.cpu_count() or 1

@@ -1,9 +1,9 @@
 """Checking one parallel layout against the model and the batch before anything is launched.
 
 The rules that say whether a model can take a layout live here once: ``tp_problems`` (tp against
-attention heads, KV heads, MLP width and vocabulary), ``split_layers`` (layers per pipeline
-stage, in ``neuron_parallel.utils``, in ``neuron_parallel.utils``) and ``check_layout`` (the whole job). The config check, the tensor-parallel code and the
-layout search all use them. Nothing here imports torch.
+attention heads, KV heads, MLP width and vocabulary) and ``check_layout`` (the whole job; the
+layers per pipeline stage come from ``neuron_parallel.utils.split_layers``). The config check,
+the tensor-parallel code and the layout search all use them. Nothing here imports torch.
 """
 
 from __future__ import annotations

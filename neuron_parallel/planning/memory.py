@@ -86,6 +86,14 @@ def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, 
     return num_params * (st.param + st.grad + st.cast_cache) + num_params * st.sharded / (dp if zero_1 else 1)
 
 
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
+"""The config.json names of the ``ModelShape`` fields named otherwise there."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The numbers of a Llama-family config.json that size a training run."""
@@ -140,16 +148,9 @@ class ModelShape:
 
     def as_config(self) -> SimpleNamespace:
         """Attribute view with Hugging Face names (for ``neuron_parallel.planning.layout.check_layout``)."""
-        return SimpleNamespace(
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size,
-            head_dim=self.head_dim,
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
+        ours = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+        ours += ("head_dim", "tie_word_embeddings")
+        return SimpleNamespace(**{HF_NAMES.get(name, name): getattr(self, name) for name in ours})
 
     @property
     def layer_params(self) -> int:
@@ -303,6 +304,194 @@ def inflight_chunks(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> in
     raise ValueError(f"no memory model for pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
 
 
+def _rank_parameters(
+    shape: ModelShape,
+    st: StateBytes,
+    *,
+    tp: int,
+    dp: int,
+    zero_1: bool,
+    layers: list[int],
+    ids: list[int],
+    n_stages: int,
+    dp_rank: int | None,
+) -> tuple[list[tuple[int, bool]], dict, int]:
+    """The model states of the rank holding the stages ``ids``: (numel, is_matrix) of its every
+    parameter, the ``StageMemory`` fields of its parameters and its ZeRO-1 share of the optimizer
+    state (dp rank ``dp_rank``, default the most loaded), and the largest parameter it updates."""
+    sizes = []
+    for sid in ids:
+        sizes += stage_params(shape, tp, layers[sid], sid == 0, sid == n_stages - 1)
+    numel = sum(n for n, _ in sizes)
+    part = zero_partition(tuple(sizes), dp) if zero_1 and dp > 1 else ((numel, max(n for n, _ in sizes)),)
+    owned, largest = part[dp_rank] if dp_rank is not None and len(part) > 1 else max(part)
+    states = dict(params=numel * (st.param + st.cast_cache), optimizer=owned * st.sharded, numel=numel)
+    return sizes, states, largest
+
+
+@dataclass(frozen=True, slots=True)
+class _RankActivations:
+    """What one microbatch puts on a pp rank, by model chunk: the sizes the phases of
+    ``stage_memory`` combine with the number of microbatches in flight."""
+
+    shape: ModelShape
+    st: StateBytes
+    tp: int
+    sp: bool
+    pp: int
+    num_microbatches: int
+    ids: list[int]  # stage ids of the rank's model chunks, one per virtual stage
+    n_stages: int
+    tokens: int  # tokens of one microbatch
+    per_layer: float  # bytes per token a decoder layer saves without recompute
+    boundary: float  # one microbatch crossing a stage boundary
+    chunk: list[float]  # bytes one microbatch saves in each model chunk
+    logits: float  # one fp32 ``b·s·V/tp`` buffer
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.ids
+
+    @property
+    def last(self) -> bool:
+        return self.n_stages - 1 in self.ids
+
+    @property
+    def loss_now(self) -> float:
+        """Loss buffers at the start of a microbatch's backward: log-softmax output, incoming and
+        outgoing gradient (``loss_parallel`` under tp keeps the logits as a fourth)."""
+        return (3 + (self.tp > 1)) * self.logits
+
+    def held(self, n_live: int) -> tuple[float, float, float]:
+        """(activations, loss, pipeline buffers) with ``n_live`` chunks in flight."""
+        st, tokens, v = self.st, self.tokens, len(self.ids)
+        h, seq = self.shape.hidden_size, self.tp if self.sp else 1
+        acts = n_live * sum(self.chunk) / v + (tokens * 16 if self.first else 0)  # + int64 ids and labels
+        n_last = (n_live if v == 1 else min(n_live, 1)) if self.last else 0  # microbatches in the last stage
+        # per microbatch: the last layer's output, the final norm and the lm_head input
+        acts += n_last * tokens * (h * st.resid / seq + norm_bytes(h, self.tp, self.sp, st))
+        # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
+        # every in-flight output (the logits, on the last stage)
+        loss = 0.0
+        if self.last:
+            loss = self.loss_now + max(n_last - 1, 0) * self.logits + (n_last * self.logits if self.pp > 1 else 0)
+        pipe = 0.0
+        if self.pp > 1:
+            receive = sum(1 for sid in self.ids if sid > 0) + sum(1 for sid in self.ids if sid < self.n_stages - 1)
+            pipe = receive * self.num_microbatches * self.boundary
+            pipe += n_live * self.boundary if not (self.last and v == 1) else 0  # forward cache of stage outputs
+        return acts, loss, pipe
+
+
+def _rank_activations(
+    shape: ModelShape,
+    st: StateBytes,
+    tp: int,
+    sp: bool,
+    pp: int,
+    recompute: int,
+    tokens: int,
+    num_microbatches: int,
+    layers: list[int],
+    ids: list[int],
+    n_stages: int,
+) -> _RankActivations:
+    """The activation sizes of the rank holding the stages ``ids`` for microbatches of ``tokens``
+    tokens: per model chunk, the saved tensors of its layers (a checkpointed layer keeps its
+    input only) less the chunk's input when a receive buffer holds it (every stage but the first)."""
+    h, seq = shape.hidden_size, tp if sp else 1
+    per_layer = sum(layer_activation_bytes(shape, tp, sp, st).values())
+    boundary = tokens * h * st.resid / seq
+    chunk = []
+    for sid in ids:
+        n = layers[sid]
+        saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
+        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.resid / seq) - (boundary if sid else 0))
+    return _RankActivations(
+        shape=shape,
+        st=st,
+        tp=tp,
+        sp=sp,
+        pp=pp,
+        num_microbatches=num_microbatches,
+        ids=ids,
+        n_stages=n_stages,
+        tokens=tokens,
+        per_layer=per_layer,
+        boundary=boundary,
+        chunk=chunk,
+        logits=tokens * shape.vocab_size / tp * 4,
+    )
+
+
+def _backward_phases(
+    rank: _RankActivations, states: dict, *, schedule: str, recompute: int, grad_accum: int, pp_rank: int
+) -> list[StageMemory]:
+    """The rank's memory at the start of a microbatch's backward (its first of the step, and on a
+    pipeline a later one, once the grads exist) and at the end of the step's last backward."""
+    st, tokens, v = rank.st, rank.tokens, len(rank.ids)
+    live = inflight_chunks(schedule, rank.pp, pp_rank, rank.num_microbatches, v)
+    # After a stage's first backward of a step its grads exist; 1F1B then refills the pipeline
+    # to ``live`` microbatches, GPipe (and a pipeline with m == live) only drains it.
+    live_after = live if schedule != "gpipe" and rank.num_microbatches * v > live else live - 1
+    # A layer's backward: at the MLP's product rule the gate, up and silu outputs, the incoming
+    # gradient and two outgoing ones are live: 2·b·s·i/tp beyond what the layer saved. A
+    # recomputed layer rebuilds its saved tensors first. The loss buffers are gone by then.
+    layer_work = tokens * (2 * rank.shape.intermediate_size / rank.tp * st.act + (rank.per_layer if recompute else 0))
+    all_grads = states["numel"] * st.grad
+    h = rank.shape.hidden_size
+    head_grads = (rank.shape.vocab_size // rank.tp * h + h) * st.grad if rank.last else 0
+    phases = []
+    for n_live, grads, label in (
+        (live, all_grads if grad_accum > 1 else head_grads, "backward"),
+        (live_after, all_grads, "backward-later"),
+    ):
+        if label == "backward-later" and (rank.pp == 1 or n_live < 1):
+            continue
+        acts, loss, pipe = rank.held(n_live)
+        transient = max(0.0, layer_work - (rank.loss_now if rank.last else 0))
+        phases.append(
+            StageMemory(
+                **states,
+                grads=grads,
+                activations=acts,
+                loss=loss,
+                pipeline_buffers=pipe,
+                transient=transient,
+                phase=label,
+            )
+        )
+    # end of backward: nearly all grads, the first layer's saved tensors and its backward's work
+    phases.append(
+        StageMemory(
+            **states,
+            grads=all_grads,
+            activations=tokens * rank.per_layer * (not recompute),
+            pipeline_buffers=rank.held(0)[2],
+            transient=layer_work,
+            phase="backward-end",
+        )
+    )
+    return phases
+
+
+def _step_phase(
+    rank: _RankActivations, states: dict, sizes: list[tuple[int, bool]], largest: int, dp: int
+) -> StageMemory:
+    """The rank's memory at the gradient reduction and optimizer step: all grads, and the larger
+    of the all-reduce's buckets and AdamW's temporaries."""
+    st = rank.st
+    bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
+    opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
+    return StageMemory(
+        **states,
+        grads=states["numel"] * st.grad,
+        pipeline_buffers=rank.held(0)[2],
+        comm_buffers=max(bucket, opt_tmp),
+        phase="step",
+    )
+
+
 def stage_memory(
     shape: ModelShape,
     *,
@@ -329,94 +518,54 @@ def stage_memory(
     layer count of every stage (``pp × virtual_stages`` entries), ``recompute`` the engine's
     every-k-th-layer checkpointing (0 = off)."""
     st = STATES[precision]
-    n_stages, v, m = pp * virtual_stages, virtual_stages, num_microbatches
-    ids = [pp_rank + c * pp for c in range(v)]
-    sizes = []
-    for sid in ids:
-        sizes += stage_params(shape, tp, layers[sid], sid == 0, sid == n_stages - 1)
-    numel = sum(n for n, _ in sizes)
-    part = zero_partition(tuple(sizes), dp) if zero_1 and dp > 1 else ((numel, max(n for n, _ in sizes)),)
-    owned, largest = part[dp_rank] if dp_rank is not None and len(part) > 1 else max(part)
-    states = dict(params=numel * (st.param + st.cast_cache), optimizer=owned * st.sharded, numel=numel)
-
+    n_stages, ids = pp * virtual_stages, [pp_rank + c * pp for c in range(virtual_stages)]
+    sizes, states, largest = _rank_parameters(
+        shape, st, tp=tp, dp=dp, zero_1=zero_1, layers=layers, ids=ids, n_stages=n_stages, dp_rank=dp_rank
+    )
     tokens = micro_batch * seq_len
-    h, seq = shape.hidden_size, tp if sp else 1
-    per_layer = sum(layer_activation_bytes(shape, tp, sp, st).values())
-    boundary = tokens * h * st.resid / seq  # one microbatch crossing a stage boundary
-    first, last = 0 in ids, n_stages - 1 in ids
-    chunk = []
-    for sid in ids:
-        n = layers[sid]
-        saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
-        # a checkpointed layer keeps its input only; a later stage's input is its receive buffer
-        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.resid / seq) - (boundary if sid else 0))
-    live = inflight_chunks(schedule, pp, pp_rank, m, v)
-    # After a stage's first backward of a step its grads exist; 1F1B then refills the pipeline
-    # to ``live`` microbatches, GPipe (and a pipeline with m == live) only drains it.
-    live_after = live if schedule != "gpipe" and m * v > live else live - 1
-    logits = tokens * shape.vocab_size / tp * 4
-    # loss buffers at the start of a microbatch's backward: log-softmax output, incoming and
-    # outgoing gradient (loss_parallel under tp keeps the logits as a fourth)
-    loss_now = (3 + (tp > 1)) * logits
-
-    def held(n_live: int) -> tuple[float, float, float]:
-        """(activations, loss, pipeline buffers) with ``n_live`` chunks in flight."""
-        acts = n_live * sum(chunk) / v + (tokens * 16 if first else 0)  # + int64 ids and labels
-        n_last = (n_live if v == 1 else min(n_live, 1)) if last else 0  # microbatches in the last stage
-        # per microbatch: the last layer's output, the final norm and the lm_head input
-        acts += n_last * tokens * (h * st.resid / seq + norm_bytes(h, tp, sp, st))
-        # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
-        # every in-flight output (the logits, on the last stage)
-        loss = (loss_now + max(n_last - 1, 0) * logits + (n_last * logits if pp > 1 else 0)) if last else 0.0
-        pipe = 0.0
-        if pp > 1:
-            pipe = (sum(1 for sid in ids if sid > 0) + sum(1 for sid in ids if sid < n_stages - 1)) * m * boundary
-            pipe += n_live * boundary if not (last and v == 1) else 0  # forward cache of stage outputs
-        return acts, loss, pipe
-
-    # A layer's backward: at the MLP's product rule the gate, up and silu outputs, the incoming
-    # gradient and two outgoing ones are live: 2·b·s·i/tp beyond what the layer saved. A
-    # recomputed layer rebuilds its saved tensors first. The loss buffers are gone by then.
-    layer_work = tokens * (2 * shape.intermediate_size / tp * st.act + (per_layer if recompute else 0))
-    all_grads = numel * st.grad
-    head_grads = (shape.vocab_size // tp * h + h) * st.grad if last else 0
-    phases = []
-    for n_live, grads, label in (
-        (live, all_grads if grad_accum > 1 else head_grads, "backward"),
-        (live_after, all_grads, "backward-later"),
-    ):
-        if label == "backward-later" and (pp == 1 or n_live < 1):
-            continue
-        acts, loss, pipe = held(n_live)
-        phases.append(
-            StageMemory(
-                **states,
-                grads=grads,
-                activations=acts,
-                loss=loss,
-                pipeline_buffers=pipe,
-                transient=max(0.0, layer_work - (loss_now if last else 0)),
-                phase=label,
-            )
-        )
-    pipe = held(0)[2]
-    # end of backward: nearly all grads, the first layer's saved tensors and its backward's work
-    phases.append(
-        StageMemory(
-            **states,
-            grads=all_grads,
-            activations=tokens * per_layer * (not recompute),
-            pipeline_buffers=pipe,
-            transient=layer_work,
-            phase="backward-end",
-        )
+    rank = _rank_activations(shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages)
+    phases = _backward_phases(
+        rank, states, schedule=schedule, recompute=recompute, grad_accum=grad_accum, pp_rank=pp_rank
     )
-    bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
-    opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
-    phases.append(
-        StageMemory(**states, grads=all_grads, pipeline_buffers=pipe, comm_buffers=max(bucket, opt_tmp), phase="step")
-    )
+    phases.append(_step_phase(rank, states, sizes, largest, dp))
     return max(phases, key=lambda mem: mem.total)
+
+
+def layout_memory(
+    shape: ModelShape,
+    layout,
+    layers: list[int],
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    grad_accum: int,
+    precision: str,
+    pp_rank: int,
+    dp_rank: int | None = None,
+) -> StageMemory:
+    """``stage_memory`` of a layout with ``ParallelConfig``'s field names (a ``ParallelConfig``, the
+    planner's ``Candidate``): its ``micro_batch_size`` sequences per dp rank and forward/backward
+    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline)."""
+    m = layout.num_microbatches if layout.pp > 1 else 1
+    return stage_memory(
+        shape,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        zero_1=layout.zero_1,
+        sp=layout.sequence_parallel,
+        recompute=layout.activation_checkpointing,
+        micro_batch=micro_batch_size // m,
+        seq_len=seq_len,
+        num_microbatches=m,
+        grad_accum=grad_accum,
+        schedule=layout.pipeline_schedule,
+        virtual_stages=layout.virtual_stages,
+        precision=precision,
+        pp_rank=pp_rank,
+        layers=layers,
+        dp_rank=dp_rank,
+    )
 
 
 def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
@@ -425,23 +574,7 @@ def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     bf16 mode keeps fp32 states, ``bf16_autocast``)."""
     pc = job.parallel
     dp_rank, rest = divmod(rank, pc.pp * pc.tp)
-    m = pc.num_microbatches if pc.pp > 1 else 1
-    return stage_memory(
-        shape,
-        tp=pc.tp,
-        pp=pc.pp,
-        dp=pc.dp,
-        zero_1=pc.zero_1,
-        sp=pc.sequence_parallel,
-        recompute=pc.activation_checkpointing,
-        micro_batch=job.train.micro_batch_size // m,
-        seq_len=job.block_size,
-        num_microbatches=m,
-        grad_accum=job.grad_accum,
-        schedule=pc.pipeline_schedule,
-        virtual_stages=pc.virtual_stages,
-        precision="fp32" if pc.mixed_precision == "fp32" else "bf16_autocast",
-        pp_rank=rest // pc.tp,
-        layers=[len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)],
-        dp_rank=dp_rank,
-    )
+    layers = [len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)]
+    precision = "fp32" if pc.mixed_precision == "fp32" else "bf16_autocast"
+    kw = dict(micro_batch_size=job.train.micro_batch_size, seq_len=job.block_size, grad_accum=job.grad_accum)
+    return layout_memory(shape, pc, layers, **kw, precision=precision, pp_rank=rest // pc.tp, dp_rank=dp_rank)

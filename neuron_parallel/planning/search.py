@@ -1,8 +1,8 @@
 """Choosing a parallel layout: every (tp, pp, dp, ZeRO-1, SP, recompute, microbatching) split
 of a job, its predicted memory per rank and tokens/s, ranked; and for every rejected split, why.
 
-    report = search_layouts("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
-    report.feasible, report.best.to_parallel_config(), report.plans[0].tokens_per_s
+    search = search_layouts("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
+    search.feasible, search.best.to_parallel_config(), search.candidates[0].tokens_per_s
 
 Memory per rank: ``neuron_parallel.memory`` (tensor bytes of the worst pp rank, plus the
 hardware's allocator margin and runtime reserve). Step time, per optimizer step:
@@ -34,7 +34,7 @@ from ..config import LAYOUT_FIELDS, ParallelConfig
 from ..utils import divisors, split_layers
 from .hardware import HardwareSpec, get_hardware
 from .layout import tp_problems
-from .memory import STATES, GiB, ModelShape, model_states_bytes, stage_memory
+from .memory import STATES, GiB, ModelShape, layout_memory, model_states_bytes
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -72,18 +72,8 @@ class Candidate:
         """This layout as the engine's ``ParallelConfig`` (``mixed_precision`` fp32 for ``fp32``,
         bf16 otherwise; the engine's bf16 keeps fp32 states, which ``bf16_autocast`` plans for).
         The batch split goes to ``TrainConfig(micro_batch_size=..., grad_accum=...)``."""
-        return ParallelConfig(
-            tp=self.tp,
-            pp=self.pp,
-            dp=self.dp,
-            zero_1=self.zero_1,
-            sequence_parallel=self.sequence_parallel,
-            num_microbatches=self.num_microbatches,
-            pipeline_schedule=self.pipeline_schedule,
-            virtual_stages=self.virtual_stages,
-            activation_checkpointing=self.activation_checkpointing,
-            mixed_precision="fp32" if self.precision == "fp32" else "bf16",
-        )
+        layout = {name: getattr(self, name) for name in LAYOUT_FIELDS}
+        return ParallelConfig(**layout, dp=self.dp, mixed_precision="fp32" if self.precision == "fp32" else "bf16")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,16 +101,16 @@ class LayoutSearch:
     seq_len: int
     global_batch: int
     precision: str
-    plans: list[Candidate]
+    candidates: list[Candidate]
     reason: str | None = None
 
     @property
     def feasible(self) -> bool:
-        return any(c.fits for c in self.plans)
+        return any(c.fits for c in self.candidates)
 
     @property
     def best(self) -> Candidate | None:
-        return self.plans[0] if self.feasible else None
+        return self.candidates[0] if self.feasible else None
 
     @property
     def world_size(self) -> int:
@@ -137,7 +127,7 @@ class LayoutSearch:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "precision": self.precision,
-            "plans": [c.as_dict() for c in self.plans],
+            "candidates": [c.as_dict() for c in self.candidates],
         }
 
 
@@ -237,25 +227,10 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
 
 def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, global_batch: int) -> None:
     layers = [len(r) for r in split_layers(shape.num_layers, c.pp * c.virtual_stages)]
-    kw = dict(
-        tp=c.tp,
-        pp=c.pp,
-        dp=c.dp,
-        zero_1=c.zero_1,
-        sp=c.sequence_parallel,
-        recompute=c.activation_checkpointing,
-        micro_batch=c.micro_batch_size // c.num_microbatches,
-        seq_len=seq_len,
-        num_microbatches=c.num_microbatches,
-        grad_accum=c.grad_accum,
-        schedule=c.pipeline_schedule,
-        virtual_stages=c.virtual_stages,
-        precision=c.precision,
-        layers=layers,
-    )
+    kw = dict(micro_batch_size=c.micro_batch_size, seq_len=seq_len, grad_accum=c.grad_accum, precision=c.precision)
     # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
     # loss; the ranks between hold no more than rank 0
-    worst = max((stage_memory(shape, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
+    worst = max((layout_memory(shape, c, layers, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
     tensors = worst.total
     margin = tensors * hw.allocator_margin
     total = tensors + margin + hw.reserved_bytes
@@ -311,25 +286,9 @@ FIXABLE = LAYOUT_FIELDS + ("micro_batch_size",)
 """What a search can be asked to keep: the layout fields and the micro batch."""
 
 
-def search_layouts(
-    model_config,
-    hardware: str | HardwareSpec,
-    *,
-    nodes: int = 1,
-    seq_len: int,
-    global_batch: int,
-    precision: str = "bf16",
-    ranks_per_node: int | None = None,
-    fixed: dict | None = None,
-) -> LayoutSearch:
-    """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
-    ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
-    read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
-    ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
-    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode).
-    ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
-    those values are considered, and a pinned value is evaluated even where the free search
-    would not try it (``activation_checkpointing=2``, ``num_microbatches=6``)."""
+def _check_arguments(fixed: dict | None, precision: str, nodes: int, seq_len: int, global_batch: int) -> dict:
+    """``fixed`` as a new dict, once the arguments of ``search_layouts`` are known to make sense
+    (a ``ValueError`` saying what is wrong otherwise)."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(FIXABLE))
     if unknown:
@@ -343,9 +302,30 @@ def search_layouts(
         raise ValueError(f"precision={precision!r} is not one of {sorted(STATES)}")
     if nodes < 1 or seq_len < 1 or global_batch < 1:
         raise ValueError(f"nodes, seq_len and global_batch must be >= 1, got {nodes}, {seq_len}, {global_batch}")
-    shape = ModelShape.from_config(model_config)
-    hw = get_hardware(hardware, ranks_per_node)
-    world = nodes * hw.ranks_per_node
+    return fixed
+
+
+def _split_problems(shape: ModelShape, tp_why: list[str], pp: int, dp: int, global_batch: int) -> list[str]:
+    """Why a (tp, pp, dp) split cannot run this model and batch: ``tp_why`` (the tp's own
+    problems), then pp and batch problems (empty when it can)."""
+    why = list(tp_why)
+    if pp > shape.num_layers:
+        why.append(f"pp={pp} exceeds the model's {shape.num_layers} layers")
+    if global_batch % dp:
+        why.append(f"global batch {global_batch} is not divisible by dp={dp}")
+    elif pp > 1 and global_batch // dp < pp:
+        why.append(
+            f"{global_batch // dp} sequences per dp rank cannot fill pp={pp} stages (1F1B needs "
+            f"num_microbatches >= pp); raise the global batch to {pp * dp} or lower pp"
+        )
+    return why
+
+
+def _candidates(
+    shape: ModelShape, hw: HardwareSpec, world: int, seq_len: int, global_batch: int, precision: str, fixed: dict
+) -> list[Candidate]:
+    """Every candidate over (tp, pp) splits of ``world`` ranks that ``fixed`` allows, evaluated;
+    an invalid split is one candidate carrying its reason."""
     out: list[Candidate] = []
     for tp in divisors(world):
         if fixed.get("tp", tp) != tp:
@@ -355,16 +335,7 @@ def search_layouts(
             if fixed.get("pp", pp) != pp:
                 continue
             dp = world // (tp * pp)
-            why = list(tp_why)
-            if pp > shape.num_layers:
-                why.append(f"pp={pp} exceeds the model's {shape.num_layers} layers")
-            if global_batch % dp:
-                why.append(f"global batch {global_batch} is not divisible by dp={dp}")
-            elif pp > 1 and global_batch // dp < pp:
-                why.append(
-                    f"{global_batch // dp} sequences per dp rank cannot fill pp={pp} stages (1F1B needs "
-                    f"num_microbatches >= pp); raise the global batch to {pp * dp} or lower pp"
-                )
+            why = _split_problems(shape, tp_why, pp, dp, global_batch)
             if why:
                 out.append(Candidate(tp=tp, pp=pp, dp=dp, precision=precision, valid=False, reason="; ".join(why)))
                 continue
@@ -385,49 +356,80 @@ def search_layouts(
                 )
                 _evaluate(shape, hw, c, seq_len, global_batch)
                 out.append(c)
-    # Equal predicted speed (to 3 digits) prefers the larger microbatch: the model has no
-    # per-kernel overheads, which favour fewer, larger matmuls in practice.
-    out.sort(
-        key=lambda c: (
-            not c.fits,
-            not c.valid,
-            -float(f"{c.tokens_per_s or 0:.3g}") if c.fits else 0,
-            -(c.micro_batch_size // c.num_microbatches) if c.fits else 0,
-            c.memory_per_rank_bytes or 0,
+    return out
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Sort key, best first: fitting candidates by predicted tokens/s, then those that do not fit
+    (least memory first), then invalid splits. Equal predicted speed (to 3 digits) prefers the
+    larger microbatch: the model has no per-kernel overheads, which favour fewer, larger matmuls
+    in practice."""
+    return (
+        not c.fits,
+        not c.valid,
+        -float(f"{c.tokens_per_s or 0:.3g}") if c.fits else 0,
+        -(c.micro_batch_size // c.num_microbatches) if c.fits else 0,
+        c.memory_per_rank_bytes or 0,
+    )
+
+
+def _infeasible_reason(
+    shape: ModelShape, hw: HardwareSpec, nodes: int, precision: str, fixed: dict, candidates: list[Candidate]
+) -> str:
+    """Why none of ``candidates`` (ranked) fits: no candidate at all, no valid split, or the smallest
+    layout's memory (and the fewest nodes the model states alone need, when more)."""
+    world = nodes * hw.ranks_per_node
+    valid = [c for c in candidates if c.valid]
+    if not candidates:
+        return (
+            f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
+            "sequence_parallel needs tp > 1; unpin a field (set it to auto)"
         )
+    if not valid:
+        return f"no split of {world} ranks suits this model and batch: {candidates[0].reason}"
+    least = min(valid, key=lambda c: c.memory_per_rank_bytes)
+    reason = (
+        f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
+        f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB"
     )
-    report = LayoutSearch(
-        model=shape,
-        hardware=hw,
-        nodes=nodes,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        precision=precision,
-        plans=out,
-    )
+    n = _min_nodes(shape, hw, precision, nodes)
+    if n and n > nodes:
+        reason += f"; the model states alone need at least {n} nodes of {hw.name}"
+    return reason
+
+
+def search_layouts(
+    model_config,
+    hardware: str | HardwareSpec,
+    *,
+    nodes: int = 1,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "bf16",
+    ranks_per_node: int | None = None,
+    fixed: dict | None = None,
+) -> LayoutSearch:
+    """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
+    ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
+    read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
+    ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
+    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode).
+    ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
+    those values are considered, and a pinned value is evaluated even where the free search
+    would not try it (``activation_checkpointing=2``, ``num_microbatches=6``)."""
+    fixed = _check_arguments(fixed, precision, nodes, seq_len, global_batch)
+    shape = ModelShape.from_config(model_config)
+    hw = get_hardware(hardware, ranks_per_node)
+    candidates = _candidates(shape, hw, nodes * hw.ranks_per_node, seq_len, global_batch, precision, fixed)
+    candidates.sort(key=_rank_key)
+    report = LayoutSearch(shape, hw, nodes, seq_len, global_batch, precision, candidates)
     if not report.feasible:
-        valid = [c for c in out if c.valid]
-        if not out:
-            report.reason = (
-                f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
-                "sequence_parallel needs tp > 1; unpin a field (set it to auto)"
-            )
-        elif not valid:
-            report.reason = f"no split of {world} ranks suits this model and batch: {out[0].reason}"
-        else:
-            least = min(valid, key=lambda c: c.memory_per_rank_bytes)
-            report.reason = (
-                f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
-                f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB"
-            )
-            n = _min_nodes(shape, hw, precision, nodes)
-            if n and n > nodes:
-                report.reason += f"; the model states alone need at least {n} nodes of {hw.name}"
+        report.reason = _infeasible_reason(shape, hw, nodes, precision, fixed, candidates)
     return report
 
 
 def format_table(report: LayoutSearch, limit: int = 10) -> str:
-    """The best ``limit`` plans and a sample of rejected ones, as text."""
+    """The best ``limit`` layouts and a sample of rejected ones, as text."""
     hw = report.hardware
     n = report.model.num_parameters
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -438,16 +440,16 @@ def format_table(report: LayoutSearch, limit: int = 10) -> str:
     ]
     if hw.planning_only:
         lines.append(f"note: {hw.name} is for planning only ({hw.source})")
-    fitting = [c for c in report.plans if c.fits][:limit]
+    fitting = [c for c in report.candidates if c.fits][:limit]
     lines.append(f"{'layout':58s} {'GiB/rank':>8s} {'tokens/s':>10s} {'MFU':>5s}")
     for c in fitting:
         lines.append(
             f"{c.describe():58s} {c.memory_per_rank_bytes / GiB:8.2f} {c.tokens_per_s:10.0f} {c.mfu:5.1%}"
             + (f"  ({'; '.join(c.notes)})" if c.notes else "")
         )
-    rejected = [c for c in report.plans if not c.fits]
+    rejected = [c for c in report.candidates if not c.fits]
     if rejected:
-        lines.append(f"rejected {len(rejected)} of {len(report.plans)}, e.g.:")
+        lines.append(f"rejected {len(rejected)} of {len(report.candidates)}, e.g.:")
         seen = set()
         for c in rejected:  # one per (tp, pp), the closest to fitting first
             if (c.tp, c.pp) not in seen and len(seen) < 6:

@@ -1,0 +1,73 @@
+"""Checkpoints that never lose work: kill -9 mid-run and resume bit-exactly (asynchronous save),
+and resume a tp2×pp2 checkpoint on other topologies."""
+
+import os
+import shutil
+import signal
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from neuron_parallel.checkpoint import consolidate_checkpoint, is_complete, list_checkpoints
+from neuron_parallel.launch import process_tree, run_ranks
+from neuron_parallel.train import FAIL_AFTER_ENV
+
+from ..conftest import ROOT, read_metrics, torchrun, write_job
+
+
+def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tiny_dataset, tmp_path):
+    train = dict(max_steps=40, save_every=10, keep_checkpoints=2, micro_batch_size=4, lr=2e-3, warmup_steps=2)
+    ref_job = write_job(tmp_path / "ref", tiny_world["model"], tiny_dataset.path, world=2, train=train)
+    job = write_job(
+        tmp_path / "run", tiny_world["model"], tiny_dataset.path, world=2, train=dict(train, async_save=True)
+    )
+
+    def kill_after_checkpoint_10(proc):
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run/checkpoint-10/COMPLETE").exists():
+            assert proc.poll() is None, "the run ended before checkpoint-10"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for pid in process_tree(proc.pid):  # a node dying: torchrun and every rank at once
+            os.kill(pid, signal.SIGKILL)
+
+    killed = run_ranks("neuron_parallel.train", 2, [str(job)], cwd=ROOT, on_start=kill_after_checkpoint_10)
+    assert killed.returncode != 0, killed.tail()
+    done = [c for c in list_checkpoints(tmp_path / "run") if is_complete(c)]
+    assert done and done[-1].name != "checkpoint-40"
+
+    resumed = torchrun(job, 2)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f'"event": "resumed", "step": {int(done[-1].name.split("-")[1])}' in resumed.stdout
+    assert torchrun(ref_job, 2).returncode == 0
+    ours, ref = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
+    assert [m["step"] for m in ours] == list(range(1, 41))
+    assert [m["loss"] for m in ours[10:]] == [m["loss"] for m in ref[10:]]
+    a = load_file(consolidate_checkpoint(tmp_path / "run", tmp_path / "a") / "model.safetensors")
+    b = load_file(consolidate_checkpoint(tmp_path / "ref", tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-30", "checkpoint-40"]
+
+
+def test_tp2_pp2_checkpoint_resumes_on_other_topologies(tiny_world, tiny_dataset, tmp_path):
+    base = dict(max_steps=6, save_every=3, keep_checkpoints=0, lr=3e-3, warmup_steps=1, seed=4)
+    layout = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4)
+    model, data = tiny_world["model"], tiny_dataset.path
+    ref = write_job(tmp_path / "ref", model, data, world=4, parallel=layout, train=dict(base, micro_batch_size=8))
+    assert torchrun(ref, 4).returncode == 0
+    crashed = write_job(tmp_path / "crash", model, data, world=4, parallel=layout, train=dict(base, micro_batch_size=8))
+    assert torchrun(crashed, 4, env={FAIL_AFTER_ENV: "3"}).returncode != 0
+    assert [c.name for c in list_checkpoints(tmp_path / "crash")] == ["checkpoint-3"]
+    expected = read_metrics(tmp_path / "ref")
+    for name, world, parallel, mbs in (("tp1pp1", 1, {}, 8), ("dp4", 4, dict(zero_1=True), 2)):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "crash", run)
+        job = write_job(run, model, data, world=world, parallel=parallel, train=dict(base, micro_batch_size=mbs))
+        proc = torchrun(job, world)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert '"event": "resumed", "step": 3' in proc.stdout
+        got = read_metrics(run)
+        assert [m["step"] for m in got] == list(range(1, 7))
+        for a, b in zip(got[3:], expected[3:]):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (name, a["step"], a["loss"], b["loss"])

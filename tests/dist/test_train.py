@@ -1,0 +1,178 @@
+"""Real torchrun training: dp parity with one rank, exact resume after a crash, checkpoint
+validation and consolidation back to a Hugging Face model."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from neuron_parallel.checkpoint import (
+    CheckpointTensors,
+    consolidate_checkpoint,
+    list_checkpoints,
+    validate_checkpoint,
+)
+from neuron_parallel.checkpoint.resume import find_resume_checkpoint
+from neuron_parallel.train import FAIL_AFTER_ENV
+
+from ..conftest import read_metrics, torchrun, write_job
+
+STEPS = 6
+TRAIN = dict(max_steps=STEPS, save_every=2, keep_checkpoints=0, lr=2e-3, warmup_steps=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tiny_world, tiny_dataset, tmp_path_factory):
+    """An uninterrupted 2-rank data-parallel run."""
+    run = tmp_path_factory.mktemp("dp2")
+    job = write_job(run, tiny_world["model"], tiny_dataset.path, world=2, train=dict(TRAIN, micro_batch_size=4))
+    proc = torchrun(job, 2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run
+
+
+def test_dp2_equals_one_rank_with_the_same_global_batch(dp2_run, tiny_world, tiny_dataset, tmp_path):
+    job = write_job(
+        tmp_path,
+        tiny_world["model"],
+        tiny_dataset.path,
+        world=1,
+        train=dict(TRAIN, micro_batch_size=4, save_every=0),
+        grad_accum=2,
+    )
+    proc = torchrun(job, 1)
+    assert proc.returncode == 0, proc.stderr
+    one, two = read_metrics(tmp_path), read_metrics(dp2_run)
+    assert [m["step"] for m in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert a["lr"] == b["lr"] and a["tokens_seen"] == b["tokens_seen"]
+    assert two[-1]["loss"] < two[0]["loss"]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= set(two[0])
+
+
+def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_dataset, tmp_path):
+    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2, train=dict(TRAIN, micro_batch_size=4))
+    crashed = torchrun(job, 2, env={FAIL_AFTER_ENV: "2"})
+    assert crashed.returncode != 0
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-2"]
+    resumed = torchrun(job, 2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert '"event": "resumed", "step": 2' in resumed.stdout
+    ours = read_metrics(tmp_path)
+    ref = read_metrics(dp2_run)
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in ours[2:]] == [m["loss"] for m in ref[2:]]
+    a = consolidate_checkpoint(tmp_path, tmp_path / "hf")
+    b = consolidate_checkpoint(dp2_run, tmp_path / "hf_ref")
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_checkpoint_is_valid_and_consolidates_to_the_trained_model(dp2_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, load_config, load_weights, materialize
+
+    ckpt = list_checkpoints(dp2_run)[-1]
+    assert validate_checkpoint(ckpt) == []
+    out = consolidate_checkpoint(dp2_run, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+
+    # The trained model as training holds it: a stage module loaded from the sharded checkpoint.
+    config = load_config(ckpt)
+    stage = CausalLMStage(build_meta_model(config), range(config.num_hidden_layers), first=True, last=True)
+    materialize(stage, torch.device("cpu"))
+    load_weights(stage, CheckpointTensors(ckpt), tied=False)
+    tensors = CheckpointTensors(ckpt)
+    consolidated = load_file(out / "model.safetensors")
+    for name in tensors.names("model"):
+        assert torch.equal(consolidated[name], tensors.read(name)), name
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    stage.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, stage(ids))
+
+
+def test_sharded_and_pytorch_exports(dp2_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = consolidate_checkpoint(dp2_run, tmp_path / "sharded", max_shard_size="1MB")
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").exists()
+    single = consolidate_checkpoint(dp2_run, tmp_path / "single")
+    a = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(single).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    pt = consolidate_checkpoint(dp2_run, tmp_path / "pt", fmt="pytorch")
+    state = torch.load(pt / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(state[k], b[k]) for k in state)
+
+
+def _corrupt_copy(src, dst, how):
+    shutil.copytree(src, dst)
+    shard = dst / "shards/tp_rank_00_pp_rank_00/model.safetensors"
+    if how == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        return "sha256 mismatch", shard
+    if how == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+        return "size", shard
+    if how == "missing":
+        shard.unlink()
+        return "missing", shard
+    (dst / "COMPLETE").unlink()
+    return "missing (the save did not finish)", dst / "COMPLETE"
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "missing", "no_complete"])
+def test_corruption_is_named_and_resume_falls_back(dp2_run, tmp_path, how):
+    import subprocess
+    import sys
+
+    ckpts = list_checkpoints(dp2_run)
+    run = tmp_path / "run"
+    shutil.copytree(ckpts[-2], run / ckpts[-2].name)
+    expect, path = _corrupt_copy(ckpts[-1], run / ckpts[-1].name, how)
+    problems = validate_checkpoint(run / ckpts[-1].name)
+    assert any(str(path) in p and expect in p for p in problems), problems
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_flows.flows.cli", "validate", str(run / ckpts[-1].name)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1 and str(path) in proc.stdout
+    chosen, skipped = find_resume_checkpoint(run)
+    assert chosen == run / ckpts[-2].name
+    assert len(skipped) == 1 and ckpts[-1].name in skipped[0]
+    with pytest.raises(ValueError, match="refusing to consolidate") if how != "flip" else _no_raise():
+        consolidate_checkpoint(run / ckpts[-1].name, tmp_path / "out")
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_bf16_compute_with_fp32_master_weights_tracks_fp32(dp2_run, tiny_world, tiny_dataset, tmp_path):
+    job = write_job(
+        tmp_path,
+        tiny_world["model"],
+        tiny_dataset.path,
+        world=2,
+        parallel=dict(mixed_precision="bf16"),
+        train=dict(TRAIN, micro_batch_size=4),
+    )
+    proc = torchrun(job, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16, fp32 = read_metrics(tmp_path), read_metrics(dp2_run)
+    assert all(abs(a["loss"] - b["loss"]) <= 5e-3 * b["loss"] for a, b in zip(bf16, fp32)), (bf16, fp32)
+    assert any(a["loss"] != b["loss"] for a, b in zip(bf16, fp32))  # it really ran in bf16
+    ckpt = CheckpointTensors(list_checkpoints(tmp_path)[-1])
+    assert ckpt.manifest.tensors["model.norm.weight"].dtype == "float32"  # master weights stay fp32

@@ -1,0 +1,146 @@
+"""The whole pipeline as a Prefect flow on a real local Prefect server, uploading to a local
+Hub-compatible server over HTTP, then loading and generating from the consolidated model."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_flows.tasks.config import FinetuneConfig
+
+from ..hub_server import LocalHub
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with LocalHub(tmp_path / "hub") as server:
+        yield server
+
+
+def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
+    from huggingface_hub import snapshot_download
+    from prefect.client.orchestration import get_client
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from neuron_flows.flows.finetune import finetune
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    repo = f"{hub.user}/tiny-llama-ft"
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "launch.nproc_per_node=2",
+            "train.max_steps=4",
+            "train.save_every=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+            f"hub.repo_id={repo}",
+            f"hub.endpoint={hub.url}",
+        ],
+    )
+    state = finetune(config, return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    assert result["final_step"] == 4
+    assert result["run_dir"] == str(tmp_path / "run")
+    assert result["hub_url"] and repo in result["hub_url"]
+    consolidated = Path(result["consolidated"])
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors", "README.md"} <= {
+        p.name for p in consolidated.iterdir()
+    }
+
+    # What the Hub holds is byte for byte what was consolidated.
+    snap = Path(snapshot_download(repo, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "hf-cache"))
+    local = {p.relative_to(consolidated).as_posix(): _sha(p) for p in consolidated.rglob("*") if p.is_file()}
+    remote = {p.relative_to(snap).as_posix(): _sha(p) for p in snap.rglob("*") if p.is_file()}
+    assert remote.pop(".gitattributes")  # the Hub's own, created with the repo
+    assert remote == local
+
+    # The consolidated model loads with from_pretrained and generates.
+    model = AutoModelForCausalLM.from_pretrained(snap)
+    tok = AutoTokenizer.from_pretrained(snap)
+    ids = tok("The for statement", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+    assert isinstance(tok.decode(out[0]), str)
+
+    # Each step ran as a task of the flow run, and the plan is an artifact.
+    async def task_names():
+        async with get_client() as client:
+            runs = await client.read_task_runs()
+            return {r.name.rsplit("-", 1)[0] for r in runs if r.flow_run_id == state.state_details.flow_run_id}
+
+    import asyncio
+
+    assert {"tokenize", "plan", "train", "validate", "consolidate", "upload"} <= asyncio.run(task_names())
+
+    # The run's summary: loss curve (PNG, also in the run directory), checkpoints, model, Hub commit.
+    async def artifacts():
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        async with get_client() as client:
+            flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            return {a.key: a for a in await client.read_artifacts(artifact_filter=flt)}
+
+    arts = asyncio.run(artifacts())
+    summary = arts["summary"].data
+    assert "![loss curve](data:image/png;base64," in summary and result["hub_url"] in summary
+    assert "checkpoint-4" in summary and str(consolidated) in summary
+    assert (tmp_path / "run" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert arts["plan"].type == "table" and "tp=1 pp=1 dp=2" in str(arts["plan"].data)
+
+
+def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
+    from neuron_flows.flows.finetune import finetune
+
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+    )
+    result = finetune(config)
+    assert result["hub_url"] is None and Path(result["consolidated"], "model.safetensors").exists()
+
+
+def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
+    """Consolidate and upload are one transaction: a refused upload (bad token) removes the
+    consolidated directory again; the checkpoints stay."""
+    from neuron_flows.flows.finetune import finetune
+
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
+    config = FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+            f"hub.repo_id={hub.user}/x",
+            f"hub.endpoint={hub.url}",
+        ],
+    )
+    state = finetune(config, return_state=True)
+    assert state.is_failed()
+    assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
+    assert not (tmp_path / "run" / "consolidated").exists()

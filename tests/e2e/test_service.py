@@ -1,0 +1,445 @@
+"""The pipeline as a service: `neuron-flows serve` (a real Prefect server on loopback, the
+deployments of deployments/prefect.yaml, a process worker), driven through the UI in Debian's
+chromium and through the same REST calls the UI makes.
+
+The deployment `finetune/local` runs with its working directory at the repository root, so its
+default parameters read `.tiny/` there (created if missing, as `make demo` does) and write under
+`.runs/`; every run directory a test makes is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ..conftest import ROOT
+from ..hub_server import LocalHub
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = ROOT / ".runs" / "test-output"
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+class _RetryingClient(httpx.Client):
+    """Retries 502/503 as Prefect's own client and UI do: the server answers 503 to errors a
+    client should retry, such as a SQLite write lock held too long on a busy machine."""
+
+    def request(self, *args, **kwargs):
+        for attempt in range(6):
+            response = super().request(*args, **kwargs)
+            if response.status_code not in (502, 503):
+                return response
+            time.sleep(0.5 * 2**attempt)
+        return response
+
+
+class Service:
+    """A `neuron-flows serve` subprocess and a small client of its REST API."""
+
+    def __init__(self, home: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.ui = f"http://127.0.0.1:{self.port}"
+        self.api = f"{self.ui}/api"
+        self.home = home
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+        }
+        env.pop("PREFECT_API_URL", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "neuron_flows.flows.cli", "serve", "--port", str(self.port), "--home", str(home)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(300):
+            self.stop()
+            raise AssertionError("serve did not come up:\n" + "\n".join(self.lines[-60:]))
+        self.http = _RetryingClient(base_url=self.api, timeout=30)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if line.startswith("worker:"):
+                self.ready.set()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                from neuron_parallel.launch import kill_tree
+
+                kill_tree(self.proc, grace_s=0)
+        return self.proc.returncode
+
+    def deployment(self, name: str) -> dict:
+        r = self.http.get(f"/deployments/name/finetune/{name}")
+        r.raise_for_status()
+        return r.json()
+
+    def run_deployment(self, name: str, config: dict, job_variables: dict | None = None) -> dict:
+        dep = self.deployment(name)
+        r = self.http.post(
+            f"/deployments/{dep['id']}/create_flow_run",
+            json={"parameters": {"config": config}, "job_variables": job_variables or {}},
+        )
+        r.raise_for_status()
+        return r.json()
+
+    def flow_run(self, run_id: str) -> dict:
+        r = self.http.get(f"/flow_runs/{run_id}")
+        r.raise_for_status()
+        return r.json()
+
+    def wait(self, run_id: str, states=TERMINAL, timeout: float = 420) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.flow_run(run_id)
+            if run["state"]["type"] in states:
+                return run
+            time.sleep(1)
+        raise AssertionError(
+            f"flow run {run_id} still {run['state']['name']} after {timeout:.0f} s; serve output:\n"
+            + "\n".join(self.lines[-40:])
+        )
+
+    def task_runs(self, run_id: str) -> dict[str, dict]:
+        """The latest task run of each task of the flow run, by task name (tokenize, plan, ...)."""
+        r = self.http.post(
+            "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}
+        )
+        r.raise_for_status()
+        latest = {}
+        for t in sorted(r.json(), key=lambda t: t["created"]):
+            latest[t["name"].rsplit("-", 1)[0]] = t
+        return latest
+
+    def logs(self, run_id: str) -> list[str]:
+        out, offset = [], 0
+        while True:
+            r = self.http.post(
+                "/logs/filter",
+                json={
+                    "logs": {"flow_run_id": {"any_": [run_id]}},
+                    "limit": 200,
+                    "offset": offset,
+                    "sort": "TIMESTAMP_ASC",
+                },
+            )
+            r.raise_for_status()
+            page = [log["message"] for log in r.json()]
+            out += page
+            if len(page) < 200:
+                return out
+            offset += 200
+
+    def artifacts(self, run_id: str) -> list[dict]:
+        r = self.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+        r.raise_for_status()
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    if not (ROOT / ".tiny" / "model" / "config.json").exists():
+        from neuron_parallel.tiny import make_tiny_world
+
+        make_tiny_world(ROOT / ".tiny")
+    svc = Service(tmp_path_factory.mktemp("prefect-home"))
+    made = []
+    svc.made = made
+    yield svc
+    code = svc.stop()
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+    assert code == 0, "\n".join(svc.lines[-40:])
+    assert svc.lines[-1] == "stopped"
+
+
+def _run_dir(svc: Service, run: dict) -> Path:
+    path = ROOT / ".runs" / run["name"]
+    svc.made.append(path)
+    return path
+
+
+def _small(tiny: dict | None = None, **train) -> dict:
+    """Deployment parameters for a short run (what a user would type into the form)."""
+    return {
+        "launch": {"device": "cpu", "nproc_per_node": 2, "retries": 0},
+        "data": {"block_size": 32},
+        "train": {"max_steps": 8, "save_every": 4, "micro_batch_size": 4, "lr": 3e-3, **train},
+        "output": {"dir": ".runs/{flow_run_name}"},
+        **(tiny or {}),
+    }
+
+
+def test_serve_registers_the_deployments(service):
+    local, trn2 = service.deployment("local"), service.deployment("trn2")
+    assert local["work_pool_name"] == "local" and trn2["work_pool_name"] == "trn2"
+    assert local["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+    # The UI's form is the config model: nested sections with typed fields and defaults.
+    schema = local["parameter_openapi_schema"]
+    assert "config" in schema["properties"] and "ParallelSection" in schema["definitions"]
+    assert schema["definitions"]["TrainSection"]["properties"]["max_steps"]["default"] == 100
+    cron = trn2["schedules"][0]
+    assert cron["schedule"]["cron"] == "0 2 * * *" and cron["active"] is False
+    pools = {p["name"]: p for p in service.http.post("/work_pools/filter", json={}).json()}
+    assert pools["local"]["type"] == "process" and pools["trn2"]["type"] == "kubernetes"
+    assert pools["trn2"]["base_job_template"]["job_configuration"]["job_manifest"]["kind"] == "Job"
+
+
+def test_ui_quick_run_completes_with_a_consolidated_model(service):
+    """Open the deployment in the UI, Run → Quick run (the deployment's defaults), and the run
+    completes with a consolidated model. Every non-loopback request of the page is blocked."""
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium (make test does)"
+    from playwright.sync_api import sync_playwright
+
+    dep = service.deployment("local")
+    before = {r["id"] for r in service.http.post("/flow_runs/filter", json={}).json()}
+    blocked: list[str] = []
+
+    def gate(route):
+        url = route.request.url
+        if url.startswith(("http://127.0.0.1", "data:", "blob:")):
+            return route.continue_()
+        blocked.append(url)
+        return route.abort()
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
+        page.context.route("**/*", gate)
+        page.goto(f"{service.ui}/deployments/deployment/{dep['id']}", wait_until="networkidle")
+        page.get_by_role("button", name="Run", exact=True).click()
+        quick = page.get_by_text("Quick run").first
+        quick.wait_for(timeout=20_000)
+        quick.click()
+        # The UI answers with a toast naming the new run: "<name> scheduled to start now".
+        toast = page.get_by_text("scheduled to start").first
+        try:
+            toast.wait_for(timeout=60_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOTS / "ui-quick-run-failed.png"), full_page=True)
+            raise AssertionError(
+                "no confirmation after Quick run (screenshot ui-quick-run-failed.png); server:\n"
+                + "\n".join(service.lines[-30:])
+            ) from None
+        name = toast.inner_text().split(" scheduled to start")[0].strip().split()[-1]
+        new = service.http.post("/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}).json()
+        assert new and new[0]["id"] not in before, (name, new)
+        run = new[0]
+        run_dir = _run_dir(service, run)
+        assert run["deployment_id"] == dep["id"]
+        final = service.wait(run["id"])
+        page.goto(f"{service.ui}/runs/flow-run/{run['id']}", wait_until="networkidle")
+        page.get_by_text("Completed").first.wait_for(timeout=20_000)
+        page.screenshot(path=str(SCREENSHOTS / "ui-quick-run.png"), full_page=True)
+        # The summary artifact shows the loss curve as a real image.
+        summary = next(a for a in service.artifacts(run["id"]) if a["key"] == "summary")
+        page.goto(f"{service.ui}/artifacts/artifact/{summary['id']}", wait_until="networkidle")
+        img = page.locator("img[src^='data:image/png']").first
+        img.wait_for(timeout=20_000)
+        width = img.evaluate("el => el.complete ? el.naturalWidth : 0")
+        page.screenshot(path=str(SCREENSHOTS / "ui-summary.png"), full_page=True)
+        browser.close()
+    assert width > 300, "the loss curve did not render in the UI"
+    assert final["state"]["type"] == "COMPLETED", final["state"]
+    assert (run_dir / "consolidated" / "model.safetensors").stat().st_size > 1_000_000
+    assert (run_dir / "checkpoint-40" / "COMPLETE").exists()
+    keys = {a["key"] for a in service.artifacts(run["id"])}
+    assert {"plan", "train-progress", "summary"} <= keys
+    assert all(not u.startswith("http://127.0.0.1") for u in blocked)
+
+
+def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from neuron_flows.flows.serve import load_spec, register
+
+    local = next(d for d in load_spec()["deployments"] if d["name"] == "local")
+    every_minute = {
+        **local,
+        "name": "every-minute",
+        "parameters": {"config": _small()},
+        "schedules": [{"cron": "* * * * *", "timezone": "UTC"}],
+    }
+    with temporary_settings({PREFECT_API_URL: service.api}):
+        asyncio.run(register({"deployments": [every_minute]}))
+    dep = service.deployment("every-minute")
+    try:
+        deadline = time.monotonic() + 240
+        runs = []
+        while time.monotonic() < deadline and not runs:
+            runs = service.http.post(
+                "/flow_runs/filter",
+                json={"deployments": {"id": {"any_": [dep["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"},
+            ).json()
+            time.sleep(2)
+        assert runs, "the schedule created no run"
+        first = runs[0]
+        assert first["auto_scheduled"] is True
+        _run_dir(service, first)
+        done = service.wait(first["id"])
+        assert done["state"]["type"] == "COMPLETED", done["state"]
+        assert (_run_dir(service, first) / "consolidated" / "model.safetensors").exists()
+    finally:
+        service.http.delete(f"/deployments/{dep['id']}")
+        for run in service.http.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [dep["id"]]}}}).json():
+            _run_dir(service, run)
+
+
+def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_path):
+    """Training dies after its first complete checkpoint (step 4). The UI's Retry call reruns the
+    same flow run: tokenize and plan come back Cached, training resumes from step 4, and the
+    final weights equal those of a run that never failed. That reference run uploads with a token
+    from a Secret block; afterwards the token's text is nowhere in the server's database, the
+    runs' logs or their artifacts."""
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from safetensors.torch import load_file
+
+    token = "hf_" + secrets.token_hex(20)
+    with LocalHub(tmp_path / "hub", users={token: "alice"}) as hub:
+        with temporary_settings({PREFECT_API_URL: service.api}):
+            Secret(value=token).save("hf-token-test", overwrite=True)
+        crashing = service.run_deployment(
+            "local", _small(), job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}}
+        )
+        clean = service.run_deployment(
+            "local",
+            {**_small(), "hub": {"repo_id": "alice/tiny-ft", "endpoint": hub.url, "token_secret": "hf-token-test"}},
+        )
+        failed = service.wait(crashing["id"])
+        assert failed["state"]["type"] == "FAILED", failed["state"]
+        crash_dir = _run_dir(service, crashing)
+        assert (crash_dir / "checkpoint-4" / "COMPLETE").exists() and not (crash_dir / "checkpoint-8").exists()
+        first_tasks = service.task_runs(crashing["id"])
+        assert first_tasks["train"]["state"]["type"] == "FAILED"
+
+        # The UI's Retry button.
+        r = service.http.post(
+            f"/flow_runs/{crashing['id']}/set_state",
+            json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True},
+        )
+        assert r.status_code in (200, 201), r.text
+        retried = service.wait(crashing["id"], states={"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
+        deadline = time.monotonic() + 420  # the first wait may see the old FAILED state before the retry starts
+        while retried["run_count"] < 2 or retried["state"]["type"] not in TERMINAL:
+            assert time.monotonic() < deadline, retried["state"]
+            time.sleep(1)
+            retried = service.flow_run(crashing["id"])
+        assert retried["state"]["type"] == "COMPLETED", retried["state"]
+        tasks = service.task_runs(crashing["id"])
+        assert tasks["tokenize"]["state"]["name"] == "Cached" and tasks["plan"]["state"]["name"] == "Cached"
+        assert tasks["train"]["state"]["name"] == "Completed"
+        logs = service.logs(crashing["id"])
+        assert any("resumed from step 4" in line for line in logs), logs[-30:]
+
+        done = service.wait(clean["id"])
+        assert done["state"]["type"] == "COMPLETED", done["state"]
+        clean_dir = _run_dir(service, clean)
+        a = load_file(crash_dir / "consolidated" / "model.safetensors")
+        b = load_file(clean_dir / "consolidated" / "model.safetensors")
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+        # The secret: used for a real upload, then nowhere in what the server keeps.
+        assert hub.root.joinpath("repos").exists()
+        needle = token.encode()
+        dbs = list(service.home.glob("prefect.db*"))
+        assert dbs and sum(db.stat().st_size for db in dbs) > 100_000, dbs  # the server's SQLite files
+        for db in dbs:
+            assert needle not in db.read_bytes(), db
+        for run in (clean, crashing):
+            assert not any(token in line for line in service.logs(run["id"]))
+            for art in service.artifacts(run["id"]):
+                assert token not in str(art.get("data")) and token not in str(art.get("description"))
+            assert token not in service.http.get(f"/flow_runs/{run['id']}").text
+
+
+def test_cancel_ends_the_whole_process_tree(service):
+    run = service.run_deployment("local", _small(max_steps=100_000, save_every=0))
+    _run_dir(service, run)
+    job = f"{run['name']}/job.json"  # torchrun and the ranks get the path relative to the repository
+    deadline = time.monotonic() + 300
+    ranks: list[int] = []
+    while time.monotonic() < deadline and len(ranks) < 2:
+        ranks = [
+            pid
+            for pid, cmd in _processes()
+            if "neuron_parallel.train" in cmd and job in cmd and "torch.distributed.run" not in cmd
+        ]
+        time.sleep(1)
+    assert len(ranks) == 2, "the training ranks never started"
+    tree = [pid for pid, cmd in _processes() if job in cmd]
+    r = service.http.post(f"/flow_runs/{run['id']}/set_state", json={"state": {"type": "CANCELLING"}, "force": True})
+    assert r.status_code in (200, 201), r.text
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30 and any(_alive(pid) for pid in tree):
+        time.sleep(0.2)
+    elapsed = time.monotonic() - t0
+    left = [(pid, cmd) for pid, cmd in _processes() if job in cmd]
+    print(f"cancel: {len(tree)} processes of the run gone {elapsed:.1f} s after the cancel request")
+    assert not left, left
+    assert elapsed <= 10 + 4, f"processes of the run lived {elapsed:.1f} s after the cancel"  # worker poll: 2 s
+    final = service.wait(run["id"])
+    assert final["state"]["type"] == "CANCELLED", final["state"]
+
+
+def _processes() -> list[tuple[int, str]]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                out.append((int(entry.name), cmd))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
