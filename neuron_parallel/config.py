@@ -87,22 +87,22 @@ class ParallelConfig:
 
     tp: int = 1
     """Tensor-parallel degree (innermost mesh axis)."""
-    pp: int = 1
-    """Pipeline-parallel degree: number of pipeline ranks."""
-    dp: int = 1
-    """Data-parallel degree; derived from the world size by ``ParallelConfig.for_world``."""
-    zero_1: bool = False
-    """Shard optimizer state (and fp32 master weights under bf16) across dp ranks."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in norms and residuals (needs tp > 1)."""
-    num_microbatches: int = 1
-    """Pipeline microbatches per micro-batch step; the per-rank batch must divide by it."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of pipeline ranks."""
     pipeline_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zbv (zero-bubble V)."""
+    num_microbatches: int = 1
+    """Pipeline microbatches per micro-batch step; the per-rank batch must divide by it."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved_1f1b and zbv need 2 or more)."""
     layer_split: list[int] | None = None
     """Decoder layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
+    dp: int = 1
+    """Data-parallel degree; derived from the world size by ``ParallelConfig.for_world``."""
+    zero_1: bool = False
+    """Shard optimizer state (and fp32 master weights under bf16) across dp ranks."""
     activation_checkpointing: int = 0
     """Recompute every k-th decoder layer in backward; 0 disables, 1 recomputes every layer."""
     mixed_precision: Precision = "fp32"

@@ -243,15 +243,8 @@ def run_ranks(
     cmd = cmd[:-3] + ([target] if target.endswith(".py") else ["-m", target]) + [str(a) for a in args]
     child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=child_env, cwd=cwd, start_new_session=True)
     timed_out, watcher_error = False, []
     watcher = None
     if on_start:

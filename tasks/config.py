@@ -152,7 +152,7 @@ class FinetuneConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> FinetuneConfig:
         """Every check the library's types make without the model; raises ValueError naming the fix."""
-        self.library("model"), self.library("data"), self.library("launch")
+        self.library("model"), self.library("data"), self.to_launch()
         self.library("train", micro_batch_size=1)  # the micro batch is checked with the layout below
         check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
         if set(FIXABLE) <= set(self.pinned()):  # everything pinned: the batch rule is checkable now
@@ -225,9 +225,9 @@ class FinetuneConfig(_Section):
 
     def to_launch(self) -> LaunchConfig:
         # On Kubernetes the first pod's stable name comes from the environment (deployments/trn2).
-        launch = self.library("launch")
-        launch.rdzv_endpoint = launch.rdzv_endpoint or os.environ.get("NEURON_FLOWS_RDZV_ENDPOINT")
-        return launch
+        endpoint = self.launch.rdzv_endpoint or os.environ.get("NEURON_FLOWS_RDZV_ENDPOINT")
+        values = {f.name: getattr(self.launch, f.name) for f in dataclasses.fields(LaunchConfig)}
+        return LaunchConfig(**{**values, "rdzv_endpoint": endpoint})
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> FinetuneConfig:

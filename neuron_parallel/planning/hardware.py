@@ -92,77 +92,79 @@ def register_hardware(spec: HardwareSpec) -> HardwareSpec:
     return spec
 
 
+def _trainium(**fields) -> HardwareSpec:
+    """A Trainium kind: the neuron device, and the planning assumptions shared by every one."""
+    return HardwareSpec(device="neuron", efficiency=0.40, reserved_bytes=1 * GiB, **fields)
+
+
+def _trainium_16_chips(name: str, *, chip_flops: float, chip_memory: int, chip_link_bw: float, source: str):
+    """A 16-chip Trainium node at LNC=2 (4 logical ranks per chip, 64 per node): each rank gets a
+    quarter of its chip's peak, memory and NeuronLink rate; 3.2 Tbps of EFA per node."""
+    return _trainium(
+        name=name,
+        ranks_per_node=64,
+        memory_per_rank=chip_memory // 4,
+        peak_flops_per_rank=chip_flops / 4,
+        intra_node_bw=chip_link_bw / 4,
+        inter_node_bw=3.2e12 / 8,
+        source=source,
+    )
+
+
+def _nvidia_8gpu(**fields) -> HardwareSpec:
+    """An 8-GPU NVLink node of the p5 family. H100 SXM / H200 dense bf16 peak from NVIDIA's
+    datasheets; NVLink 4 is 900 GB/s bidirectional per GPU (450 GB/s each way); p5.48xlarge and
+    p5en.48xlarge have 3200 Gbps of EFA (AWS EC2 P5 page). efficiency 0.55: published end-to-end
+    MFU is 39-48 % (torchtitan, Megatron, LLM Foundry), so the matmuls alone run somewhat above."""
+    return HardwareSpec(
+        ranks_per_node=8,
+        peak_flops_per_rank=989e12,
+        intra_node_bw=450e9,
+        inter_node_bw=3.2e12 / 8,
+        device="cuda",
+        efficiency=0.55,
+        reserved_bytes=2 * GiB,
+        **fields,
+    )
+
+
 for _spec in (
-    HardwareSpec(
+    _trainium(
         name="trn1.32xlarge",
         ranks_per_node=32,
         memory_per_rank=16 * GiB,
         peak_flops_per_rank=95e12,
         intra_node_bw=384 * GiB / 2,
         inter_node_bw=800e9 / 8,
-        device="neuron",
-        efficiency=0.40,
-        reserved_bytes=1 * GiB,
         planning_only=True,
         source="AWS Trainium pages (190 TFLOP/s, 32 GiB per chip, 2 cores); "
         "AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
         "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
     ),
-    HardwareSpec(
-        name="trn2.48xlarge",
-        ranks_per_node=64,
-        memory_per_rank=24 * GiB,
-        peak_flops_per_rank=667e12 / 4,
-        intra_node_bw=1e12 / 4,
-        inter_node_bw=3.2e12 / 8,
-        device="neuron",
-        efficiency=0.40,
-        reserved_bytes=1 * GiB,
+    _trainium_16_chips(
+        "trn2.48xlarge",
+        chip_flops=667e12,
+        chip_memory=96 * GiB,
+        chip_link_bw=1e12,
         source="AWS Trainium pages (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); "
-        "AWS trn2-arch (NeuronLink-v3, "
-        "EFAv3 3.2 Tbps)",
+        "AWS trn2-arch (NeuronLink-v3, EFAv3 3.2 Tbps)",
     ),
-    HardwareSpec(
-        name="trn3",
-        ranks_per_node=64,
-        memory_per_rank=36 * GiB,
-        peak_flops_per_rank=671e12 / 4,
-        intra_node_bw=2.56e12 / 4,
-        inter_node_bw=3.2e12 / 8,
-        device="neuron",
-        efficiency=0.40,
-        reserved_bytes=1 * GiB,
-        source="AWS Trainium pages (671 TFLOP/s, 144 GiB per chip); "
-        "AWS trainium3 page (8 NeuronCore-v4 per chip, so 4 "
-        "ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
+    _trainium_16_chips(
+        "trn3",
+        chip_flops=671e12,
+        chip_memory=144 * GiB,
+        chip_link_bw=2.56e12,
+        source="AWS Trainium pages (671 TFLOP/s, 144 GiB per chip); AWS trainium3 page (8 NeuronCore-v4 per "
+        "chip, so 4 ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
     ),
-    # NVIDIA: H100 SXM / H200 dense bf16 peaks and memory from NVIDIA's datasheets. NVLink 4 is
-    # 900 GB/s bidirectional per
-    # GPU (450 GB/s each way, NVIDIA H100 datasheet); p5.48xlarge and p5en.48xlarge have 3200 Gbps
-    # of EFA (AWS EC2 P5 page). efficiency 0.55: published end-to-end MFU is 39-48% (torchtitan,
-    # Megatron, LLM Foundry), so the matmuls alone must run somewhat above that.
-    HardwareSpec(
+    _nvidia_8gpu(
         name="p5.48xlarge",
-        ranks_per_node=8,
         memory_per_rank=80 * GB,
-        peak_flops_per_rank=989e12,
-        intra_node_bw=450e9,
-        inter_node_bw=3.2e12 / 8,
-        device="cuda",
-        efficiency=0.55,
-        reserved_bytes=2 * GiB,
         source="NVIDIA H100 SXM datasheet (989 TFLOP/s, 80 GB, NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
     ),
-    HardwareSpec(
+    _nvidia_8gpu(
         name="h200x8",
-        ranks_per_node=8,
         memory_per_rank=141 * GB,
-        peak_flops_per_rank=989e12,
-        intra_node_bw=450e9,
-        inter_node_bw=3.2e12 / 8,
-        device="cuda",
-        efficiency=0.55,
-        reserved_bytes=2 * GiB,
         source="NVIDIA H200 datasheet (989 TFLOP/s, 141 GB, NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
     ),
 ):
