@@ -98,7 +98,7 @@ def cmd_train(args) -> int:
                 flush=True,
             )
         else:
-            print(f"{kind}: {json.dumps(event)}", flush=True)
+            print(f"{kind}: {json.dumps(event, ensure_ascii=False)}", flush=True)
 
     launch = config.to_launch()
     if launch.nnodes > 1 and os.environ.get(LAUNCH_FILE_ENV):

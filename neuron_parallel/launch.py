@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .config import JobConfig, LaunchConfig
 from .train import EVENT_PREFIX
+from .utils import write_line
 
 
 class TrainingFailed(RuntimeError):
@@ -185,10 +186,10 @@ RESULT_PREFIX = "@@neuron-ranks "
 
 def print_rank_result(result: dict) -> None:
     """Report ``result`` (a JSON-able dict, given this rank's ``"rank"`` if it has none) to
-    ``run_ranks``: one line, flushed at once so no other rank's output splits it."""
+    ``run_ranks``: one line in one write, so no other rank's output splits it."""
     if "rank" not in result:
         result = {"rank": int(os.environ.get("RANK", "0")), **result}
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    write_line(RESULT_PREFIX + json.dumps(result))
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from .mesh import ParallelDims, init_distributed, local_device
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
+from .utils import write_line
 
 EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
@@ -54,7 +55,7 @@ CheckpointHook = Callable[["Trainer", int], None]
 def emit(event: str, **fields) -> None:
     """A structured progress line on stdout (rank 0 only)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+        write_line(EVENT_PREFIX + json.dumps({"event": event, **fields}))
 
 
 def batch_layout(job: JobConfig) -> dict:

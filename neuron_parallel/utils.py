@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
@@ -46,3 +48,11 @@ def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None
         ranges.append(range(start, start + n))
         start += n
     return ranges
+
+
+def write_line(text: str) -> None:
+    """Write ``text`` and a newline to stdout in one ``write`` call. Ranks share one pipe, and a
+    pipe write of up to PIPE_BUF (4 KiB) bytes is atomic, so no other rank's output can split the
+    line (``print`` may write the text and the newline separately when stdout is unbuffered)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())

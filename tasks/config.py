@@ -152,8 +152,10 @@ class FinetuneConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> FinetuneConfig:
         """Every check the library's types make without the model; raises ValueError naming the fix."""
-        self.library("model"), self.library("data"), self.to_launch()
-        self.library("train", micro_batch_size=1)  # the micro batch is checked with the layout below
+        self.library("model")
+        self.library("data")
+        self.to_launch()
+        self.library("train", micro_batch_size=1)  # an auto micro batch is chosen (and checked) with the layout
         check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
         if set(FIXABLE) <= set(self.pinned()):  # everything pinned: the batch rule is checkable now
             self.to_job(model_path="", dataset_path="", layout=self.resolve(""))
