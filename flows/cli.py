@@ -69,19 +69,12 @@ def cmd_train(args) -> int:
         config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
     _preflight(config)
     from neuron_flows.tasks.config import plan_layout
-    from neuron_parallel.data import tokenize_dataset
+    from neuron_parallel.data import tokenize_data
     from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
     from neuron_parallel.models.causal_lm import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    ds = tokenize_dataset(
-        source=config.data.source,
-        tokenizer_dir=model_dir,
-        block_size=config.data.block_size,
-        cache_dir=config.data.cache_dir,
-        text_field=config.data.text_field,
-        split=config.data.split,
-    )
+    ds = tokenize_data(config.library("data"), model_dir)
     layout, report = plan_layout(config, model_dir, ds.path)
     if report is not None:
         print(

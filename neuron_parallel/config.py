@@ -66,11 +66,15 @@ class DataConfig:
     """The training data and how it is cut into sequences."""
 
     source: str | list[str] = ".tiny/corpus.jsonl"
-    """Local .txt/.jsonl/.parquet file(s) or folder, or a Hub dataset name."""
+    """Local .txt/.jsonl/.parquet file(s) or folder, a Hub dataset name, or a local folder laid out
+    like a Hub dataset (configs declared in its README metadata)."""
     text_field: str = "text"
     """Column holding the text."""
+    config: str | None = None
+    """Configuration of a Hub dataset or dataset folder (``load_dataset``'s name), e.g.
+    wikitext-2-raw-v1; needed when it declares several."""
     split: str = "train"
-    """Split to read from a Hub dataset."""
+    """Split to read from a Hub dataset or dataset folder."""
     block_size: int = 128
     """Tokens per training sequence."""
     cache_dir: str = ".runs/datasets"

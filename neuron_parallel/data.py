@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .config import DataConfig
 from .utils import sha256_file
 
 FORMAT_VERSION = 1
@@ -33,6 +34,20 @@ class TokenizedDataset:
     num_tokens: int
     num_blocks: int
     block_size: int
+
+
+def dataset_repo(source: str | list[str]) -> str | None:
+    """``source`` when ``datasets.load_dataset`` should read it as a dataset repository: a Hub
+    dataset name, or a local folder laid out like a Hub dataset (its configs declared in the
+    README's metadata); None for plain data files."""
+    if not isinstance(source, str):
+        return None
+    path = Path(source).expanduser()
+    if path.is_dir():
+        readme = path / "README.md"
+        head = readme.read_text(errors="replace").split("\n---", 1)[0] if readme.is_file() else ""
+        return source if head.startswith("---") and "\nconfigs:" in head else None
+    return None if path.exists() else (source if _local_files(source) is None else None)
 
 
 def _local_files(source: str | list[str]) -> list[Path] | None:
@@ -59,13 +74,26 @@ def _local_files(source: str | list[str]) -> list[Path] | None:
 
 
 def dataset_fingerprint(
-    source: str | list[str], tokenizer_dir: str | Path, *, block_size: int, text_field: str, split: str
+    source: str | list[str],
+    tokenizer_dir: str | Path,
+    *,
+    block_size: int,
+    text_field: str,
+    split: str,
+    config: str | None = None,
 ) -> str:
-    """A digest of everything that determines the packed blocks: file contents (or the Hub name
-    and split), the tokenizer files, the block size, the text field and this format's version."""
+    """A digest of everything that determines the packed blocks: file contents (or the Hub name),
+    the dataset config and split, the tokenizer files, the block size, the text field and this
+    format's version."""
     h = hashlib.sha256()
-    files = _local_files(source)
-    h.update(json.dumps([FORMAT_VERSION, block_size, text_field, split]).encode())
+    repo = dataset_repo(source)
+    if repo is None:
+        files = _local_files(source)
+    elif Path(repo).expanduser().is_dir():  # a local dataset folder: every file in it counts
+        files = sorted(p for p in Path(repo).expanduser().rglob("*") if p.is_file() and ".git" not in p.parts)
+    else:
+        files = None
+    h.update(json.dumps([FORMAT_VERSION, block_size, text_field, split, config]).encode())
     if files is None:
         h.update(f"hub:{source}".encode())
     else:
@@ -78,15 +106,39 @@ def dataset_fingerprint(
     return h.hexdigest()[:20]
 
 
-def _load_raw(source: str | list[str], split: str):
+def _load_raw(source: str | list[str], split: str, config: str | None = None):
     from datasets import load_dataset
 
+    repo = dataset_repo(source)
+    if repo is not None:
+        return _load_repo(repo, split, config)
+    if config is not None:
+        raise ValueError(
+            f"data.config={config!r} names a configuration of a dataset repository, but data.source {source!r} is "
+            "plain data files; drop data.config, or point data.source at a Hub dataset or a dataset folder whose "
+            "README declares its configs"
+        )
     files = _local_files(source)
-    if files is None:
-        return load_dataset(source, split=split)
     builder = _BUILDERS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+
+
+def _load_repo(repo: str, split: str, config: str | None):
+    """``load_dataset(repo, config, split)``, with a refusal naming the configs or splits that
+    exist (checked before loading for a local folder, which needs no network)."""
+    from datasets import get_dataset_config_names, load_dataset
+
+    if Path(repo).expanduser().is_dir():
+        names = get_dataset_config_names(str(Path(repo).expanduser()))
+        if config not in names and not (config is None and len(names) == 1):
+            what = f"has no config {config!r}" if config else "has several configs"
+            raise ValueError(f"data.source {repo!r} {what}; set data.config to one of {names}")
+    try:
+        return load_dataset(repo, name=config, split=split)
+    except ValueError as e:  # unknown config or split of a Hub dataset: datasets names the choices
+        key = "data.split" if "split" in str(e).lower() else "data.config"
+        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
 def tokenize_dataset(
@@ -97,6 +149,7 @@ def tokenize_dataset(
     cache_dir: str | Path,
     text_field: str = "text",
     split: str = "train",
+    config: str | None = None,
     num_proc: int | None = None,
 ) -> TokenizedDataset:
     """Tokenize ``source`` with the tokenizer in ``tokenizer_dir``, append EOS to every document,
@@ -106,7 +159,9 @@ def tokenize_dataset(
 
     if block_size < 2:
         raise ValueError(f"data.block_size must be >= 2, got {block_size}")
-    fingerprint = dataset_fingerprint(source, tokenizer_dir, block_size=block_size, text_field=text_field, split=split)
+    fingerprint = dataset_fingerprint(
+        source, tokenizer_dir, block_size=block_size, text_field=text_field, split=split, config=config
+    )
     out = Path(cache_dir) / fingerprint
     info_path = out / "neuron_flows_dataset.json"
     if info_path.exists():
@@ -116,7 +171,7 @@ def tokenize_dataset(
     tokenizer.model_max_length = 1 << 62  # documents are packed into blocks, so no length limit applies
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; packing needs one to separate documents")
-    raw = _load_raw(source, split)
+    raw = _load_raw(source, split, config)
     if text_field not in raw.column_names:
         raise ValueError(f"data.text_field={text_field!r} is not a column of {source!r}; columns: {raw.column_names}")
     eos = tokenizer.eos_token_id
@@ -188,3 +243,16 @@ class BlockStream:
         """``(inputs, labels)`` of shape ``(count, block_size)`` for those positions."""
         rows = self.dataset[self.indices(start, count)]["input_ids"]
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def tokenize_data(data: DataConfig, tokenizer_dir: str | Path) -> TokenizedDataset:
+    """``tokenize_dataset`` for the ``data`` section of a run's config."""
+    return tokenize_dataset(
+        source=data.source,
+        tokenizer_dir=tokenizer_dir,
+        block_size=data.block_size,
+        cache_dir=data.cache_dir,
+        text_field=data.text_field,
+        split=data.split,
+        config=data.config,
+    )

@@ -59,6 +59,8 @@ def _section(kind: type, section: str, **extra: Any) -> type[BaseModel]:
     """A pydantic model with the fields of the library dataclass ``kind`` (type, default and
     docstring as description), ``auto`` allowed and the default for its planned fields, plus
     ``extra`` boundary fields given as ``(type, Field(...))``."""
+    # pydantic reads the attribute docstrings itself (use_attribute_docstrings); with_config only
+    # records that option on the dataclass (``__pydantic_config__``), which nothing else reads.
     with_config(ConfigDict(use_attribute_docstrings=True))(kind)
     docs = TypeAdapter(kind).json_schema()["properties"]
     hints = typing.get_type_hints(kind)

@@ -2,7 +2,7 @@
 
 from prefect import get_run_logger, task
 
-from neuron_parallel.data import TokenizedDataset, tokenize_dataset
+from neuron_parallel.data import TokenizedDataset, tokenize_data
 from neuron_parallel.models.causal_lm import resolve_model_dir
 
 from .common import STEP_POLICY
@@ -12,14 +12,7 @@ from .config import FinetuneConfig
 @task(name="tokenize", **STEP_POLICY)
 def tokenize(config: FinetuneConfig) -> TokenizedDataset:
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    ds = tokenize_dataset(
-        source=config.data.source,
-        tokenizer_dir=model_dir,
-        block_size=config.data.block_size,
-        cache_dir=config.data.cache_dir,
-        text_field=config.data.text_field,
-        split=config.data.split,
-    )
+    ds = tokenize_data(config.library("data"), model_dir)
     get_run_logger().info(
         "tokenized %s: %d tokens, %d blocks of %d, fingerprint %s",
         config.data.source,

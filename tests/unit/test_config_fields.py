@@ -19,6 +19,7 @@ SAMPLES = {
     "data.source": ["a.jsonl", "b.parquet"],
     "data.text_field": "body",
     "data.split": "validation",
+    "data.config": "wikitext-2-raw-v1",
     "data.block_size": 256,
     "data.cache_dir": "/tmp/ds-cache",
     "parallel.tp": 2,

@@ -74,3 +74,65 @@ def test_block_stream_is_a_seeded_permutation_per_epoch(tiny_dataset):
     x, y = s.batch(0, 2)
     assert x.shape == y.shape == (2, tiny_dataset.block_size)
     assert (x[:, 1:] == y[:, :-1]).all()
+
+
+def _hub_like_folder(root):
+    """A local folder laid out like the Hub's wikitext: two configs declared in README metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = {
+        ("wikitext-2-raw-v1", "train"): [" = Valkyria Chronicles = \n", " The game began development in 2010 .\n"] * 8,
+        ("wikitext-2-raw-v1", "validation"): [" = Homarus gammarus = \n"] * 4,
+        ("wikitext-103-raw-v1", "train"): [" = Robert Boulter = \n", " He is an English actor .\n"] * 30,
+    }
+    for (name, split), rows in texts.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": rows}), root / name / f"{split}-00000-of-00001.parquet")
+    (root / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: wikitext-103-raw-v1\n  data_files:\n  - split: train\n    path: wikitext-103-raw-v1/train-*\n"
+        "- config_name: wikitext-2-raw-v1\n  data_files:\n  - split: train\n    path: wikitext-2-raw-v1/train-*\n"
+        "  - split: validation\n    path: wikitext-2-raw-v1/validation-*\n---\n# wikitext\n"
+    )
+    return texts
+
+
+def test_dataset_folder_with_configs_reads_the_named_config_and_split(tiny_world, tmp_path):
+    folder = tmp_path / "wikitext"
+    texts = _hub_like_folder(folder)
+    kw = dict(source=str(folder), tokenizer_dir=tiny_world["model"], block_size=8, cache_dir=tmp_path / "c")
+    small = tokenize_dataset(config="wikitext-2-raw-v1", **kw)
+    valid = tokenize_dataset(config="wikitext-2-raw-v1", split="validation", **kw)
+    large = tokenize_dataset(config="wikitext-103-raw-v1", **kw)
+    tok = AutoTokenizer.from_pretrained(tiny_world["model"])
+
+    def count(rows):
+        return sum(len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for r in rows)
+
+    assert small.num_tokens == count(texts[("wikitext-2-raw-v1", "train")])
+    assert valid.num_tokens == count(texts[("wikitext-2-raw-v1", "validation")])
+    assert large.num_tokens == count(texts[("wikitext-103-raw-v1", "train")])
+    assert len({small.fingerprint, valid.fingerprint, large.fingerprint}) == 3
+
+
+def test_dataset_folder_refusals_name_the_configs_and_splits(tiny_world, tmp_path):
+    folder = tmp_path / "wikitext"
+    _hub_like_folder(folder)
+    kw = dict(source=str(folder), tokenizer_dir=tiny_world["model"], block_size=8, cache_dir=tmp_path / "c")
+    names = r"\['wikitext-103-raw-v1', 'wikitext-2-raw-v1'\]"
+    with pytest.raises(ValueError, match=rf"has no config 'wikitext-2-v1'; set data.config to one of {names}"):
+        tokenize_dataset(config="wikitext-2-v1", **kw)
+    with pytest.raises(ValueError, match=rf"has several configs; set data.config to one of {names}"):
+        tokenize_dataset(**kw)
+    with pytest.raises(ValueError, match=r"data.split: Unknown split \"test\".*\['train', 'validation'\]"):
+        tokenize_dataset(config="wikitext-2-raw-v1", split="test", **kw)
+    with pytest.raises(ValueError, match="data.config='wikitext-2-raw-v1' names a configuration of a dataset"):
+        tokenize_dataset(
+            source=tiny_world["corpus"],
+            tokenizer_dir=tiny_world["model"],
+            block_size=8,
+            cache_dir=tmp_path,
+            config="wikitext-2-raw-v1",
+        )
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())  # nothing written when refused
