@@ -148,7 +148,7 @@ def cmd_make_tiny(args) -> int:
     from neuron_parallel.tiny import make_tiny_world
 
     paths = make_tiny_world(args.dir, seed=args.seed)
-    print(f"model: {paths['model']}\ncorpus: {paths['corpus']}")
+    print("\n".join(f"{name}: {path}" for name, path in paths.items()))
     return 0
 
 
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint dir or its parent)",
     )
     p.set_defaults(fn=cmd_consolidate)
-    p = sub.add_parser("make-tiny", help="build a tiny Llama, tokenizer and corpus with no network")
+    p = sub.add_parser("make-tiny", help="build a tiny Llama, a tiny Qwen2, a tokenizer, a corpus and a wikitext-like dataset folder, no network")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)

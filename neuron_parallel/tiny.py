@@ -1,6 +1,8 @@
 """A tiny world that needs no network: a byte-level BPE tokenizer trained on the text of
 Python's own documentation (``pydoc_data.topics``), a small Llama-architecture model with GQA
-built from a config, and that text as a JSONL corpus.
+built from a config, a small Qwen2-architecture one with tied embeddings, that text as a JSONL
+corpus, and the same text as a local dataset folder laid out like the Hub's ``wikitext`` (two
+configs declared in its README metadata, parquet splits of one paragraph per row).
 
 Both are saved as ordinary Hugging Face directories, so ``model.name_or_path`` points at a local
 path exactly as a Hub id would for a real user.
@@ -62,9 +64,10 @@ def make_tiny_world(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 204
     """Write ``out_dir/model`` (config, weights, tokenizer) and ``out_dir/corpus.jsonl``.
 
     ``shape`` overrides entries of ``TINY_MODEL_SHAPE`` (e.g. ``num_hidden_layers=8``).
-    Returns the two paths.
+    Also writes ``out_dir/qwen2`` (Qwen2 architecture, tied embeddings, same tokenizer) and
+    ``out_dir/wikitext``. Returns the four paths (``model``, ``corpus``, ``qwen2``, ``wikitext``).
     """
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, Qwen2Config
 
     out = Path(out_dir)
     model_dir = out / "model"
@@ -76,21 +79,55 @@ def make_tiny_world(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 204
             f.write(json.dumps({"text": doc}) + "\n")
 
     tokenizer = train_tokenizer(docs, vocab_size=vocab_size)
-    tokenizer.save_pretrained(model_dir)
-    config = LlamaConfig(
-        **{**TINY_MODEL_SHAPE, **shape},
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    shape = {**TINY_MODEL_SHAPE, **shape}
+    _save_model(LlamaConfig(**shape), tokenizer, model_dir, seed)
+    _save_model(Qwen2Config(**{**shape, "tie_word_embeddings": True}), tokenizer, out / "qwen2", seed)
+    write_wikitext_folder(docs, out / "wikitext")
+    return {
+        "model": str(model_dir),
+        "corpus": str(corpus),
+        "qwen2": str(out / "qwen2"),
+        "wikitext": str(out / "wikitext"),
+    }
+
+
+def _save_model(config, tokenizer, model_dir: Path, seed: int) -> None:
+    """A randomly initialised causal LM of ``config`` with ``tokenizer``, saved as a HF directory."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config.update(dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=32,
-    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, max_new_tokens=32, **ids)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(model_dir)
     model.save_pretrained(model_dir)
-    return {"model": str(model_dir), "corpus": str(corpus)}
+
+
+WIKITEXT_CONFIGS = ("wikitext-2-raw-v1", "wikitext-103-raw-v1")
+
+
+def write_wikitext_folder(docs: list[str], out: str | Path) -> Path:
+    """A dataset folder laid out like the Hub's ``wikitext``: ``<config>/<split>-00000-of-00001.parquet``
+    for each of ``WIKITEXT_CONFIGS`` and the train/validation/test splits (one paragraph per row,
+    every 10th document to validation, every 10th + 1 to test; the 103 config repeats the
+    training text 3 times), with the configs declared in README.md's metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    splits = {"train": [], "validation": [], "test": []}
+    for i, doc in enumerate(docs):
+        split = "validation" if i % 10 == 0 else "test" if i % 10 == 1 else "train"
+        splits[split] += [p.strip() + "\n" for p in doc.split("\n\n") if p.strip()]
+    meta = ["---", "configs:"]
+    for name, repeat in zip(WIKITEXT_CONFIGS, (1, 3)):
+        meta += [f"- config_name: {name}", "  data_files:"]
+        for split, rows in splits.items():
+            (out / name).mkdir(parents=True, exist_ok=True)
+            rows = rows * (repeat if split == "train" else 1)
+            pq.write_table(pa.table({"text": rows}), out / name / f"{split}-00000-of-00001.parquet")
+            meta += [f"  - split: {split}", f"    path: {name}/{split}-*"]
+    (out / "README.md").write_text("\n".join([*meta, "---", "# wikitext (a local stand-in built from pydoc text)", ""]))
+    return out
