@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint dir or its parent)",
     )
     p.set_defaults(fn=cmd_consolidate)
-    p = sub.add_parser("make-tiny", help="build a tiny Llama, a tiny Qwen2, a tokenizer, a corpus and a wikitext-like dataset folder, no network")
+    p = sub.add_parser(
+        "make-tiny", help="build tiny Llama and Qwen2 models, a tokenizer, a corpus and a wikitext-like folder, offline"
+    )
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
