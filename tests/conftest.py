@@ -88,6 +88,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+PINNED_LAYOUT = [
+    f"parallel.{k}={v}"
+    for k, v in (
+        ("tp", 1),
+        ("pp", 1),
+        ("zero_1", "false"),
+        ("sequence_parallel", "false"),
+        ("num_microbatches", 1),
+        ("pipeline_schedule", "1f1b"),
+        ("virtual_stages", 1),
+        ("activation_checkpointing", 0),
+    )
+]
+"""``--set`` overrides that pin every layout field to the plain one-stage, no-TP layout."""
+
 OPTIM_STATE_RTOL = 1e-3
 """Optimizer-state parity bound, relative to each tensor's largest value (see test_parity)."""
 

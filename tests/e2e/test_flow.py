@@ -16,6 +16,22 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _tiny_run(tiny_world, tmp_path, *overrides: str) -> FinetuneConfig:
+    """The tiny model on the pydoc corpus, 32-token blocks, micro batch 2, in ``tmp_path``."""
+    return FinetuneConfig.load(
+        None,
+        [
+            f"model.name_or_path={tiny_world['model']}",
+            f"data.source={tiny_world['corpus']}",
+            "data.block_size=32",
+            f"data.cache_dir={tmp_path / 'datasets'}",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
+
+
 @pytest.fixture
 def hub(tmp_path):
     with LocalHub(tmp_path / "hub") as server:
@@ -31,21 +47,14 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     repo = f"{hub.user}/tiny-llama-ft"
-    config = FinetuneConfig.load(
-        None,
-        [
-            f"model.name_or_path={tiny_world['model']}",
-            f"data.source={tiny_world['corpus']}",
-            "data.block_size=32",
-            f"data.cache_dir={tmp_path / 'datasets'}",
-            "launch.nproc_per_node=2",
-            "train.max_steps=4",
-            "train.save_every=2",
-            "train.micro_batch_size=2",
-            f"output.dir={tmp_path / 'run'}",
-            f"hub.repo_id={repo}",
-            f"hub.endpoint={hub.url}",
-        ],
+    config = _tiny_run(
+        tiny_world,
+        tmp_path,
+        "launch.nproc_per_node=2",
+        "train.max_steps=4",
+        "train.save_every=2",
+        f"hub.repo_id={repo}",
+        f"hub.endpoint={hub.url}",
     )
     state = finetune(config, return_state=True)
     assert state.is_completed(), state
@@ -104,18 +113,7 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
     from neuron_flows.flows.finetune import finetune
 
-    config = FinetuneConfig.load(
-        None,
-        [
-            f"model.name_or_path={tiny_world['model']}",
-            f"data.source={tiny_world['corpus']}",
-            "data.block_size=32",
-            f"data.cache_dir={tmp_path / 'datasets'}",
-            "train.max_steps=2",
-            "train.micro_batch_size=2",
-            f"output.dir={tmp_path / 'run'}",
-        ],
-    )
+    config = _tiny_run(tiny_world, tmp_path, "train.max_steps=2")
     result = finetune(config)
     assert result["hub_url"] is None and Path(result["consolidated"], "model.safetensors").exists()
 
@@ -126,19 +124,8 @@ def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, 
     from neuron_flows.flows.finetune import finetune
 
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
-    config = FinetuneConfig.load(
-        None,
-        [
-            f"model.name_or_path={tiny_world['model']}",
-            f"data.source={tiny_world['corpus']}",
-            "data.block_size=32",
-            f"data.cache_dir={tmp_path / 'datasets'}",
-            "train.max_steps=2",
-            "train.micro_batch_size=2",
-            f"output.dir={tmp_path / 'run'}",
-            f"hub.repo_id={hub.user}/x",
-            f"hub.endpoint={hub.url}",
-        ],
+    config = _tiny_run(
+        tiny_world, tmp_path, "train.max_steps=2", f"hub.repo_id={hub.user}/x", f"hub.endpoint={hub.url}"
     )
     state = finetune(config, return_state=True)
     assert state.is_failed()

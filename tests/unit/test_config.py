@@ -9,19 +9,10 @@ import pytest
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_parallel.config import JobConfig, ParallelConfig
 
-from ..conftest import ROOT
+from ..conftest import PINNED_LAYOUT, ROOT
 
 TINY = ROOT / "configs" / "tiny-llama-cpu.yaml"
-FIXED = [
-    "parallel.tp=1",
-    "parallel.pp=1",
-    "parallel.zero_1=false",
-    "parallel.sequence_parallel=false",
-    "parallel.num_microbatches=1",
-    "parallel.pipeline_schedule=1f1b",
-    "parallel.virtual_stages=1",
-    "parallel.activation_checkpointing=0",
-]
+FIXED = PINNED_LAYOUT
 
 
 def test_tiny_config_loads_with_required_keys():

@@ -10,6 +10,8 @@ from neuron_parallel.planning.hardware import GiB, get_hardware, hardware_names,
 from neuron_parallel.planning.memory import ModelShape, max_bucket, model_states_bytes, stage_memory, zero_partition
 from neuron_parallel.planning.search import search_layouts
 
+from ..conftest import PINNED_LAYOUT
+
 # Public shapes (Hugging Face config.json of meta-llama/Llama-3.1-8B and -70B).
 LLAMA_8B = dict(
     model_type="llama",
@@ -312,14 +314,7 @@ def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
     fixed, report = plan_layout(
         _auto_config(
             tiny_world,
-            "parallel.tp=1",
-            "parallel.pp=1",
-            "parallel.zero_1=false",
-            "parallel.sequence_parallel=false",
-            "parallel.num_microbatches=1",
-            "parallel.pipeline_schedule=1f1b",
-            "parallel.virtual_stages=1",
-            "parallel.activation_checkpointing=0",
+            *PINNED_LAYOUT,
             "train.micro_batch_size=2",
         ),
         tiny_world["model"],
