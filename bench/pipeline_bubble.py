@@ -167,7 +167,9 @@ def worker_pipe(cfg: dict) -> None:
         from neuron_parallel.launch import print_rank_result
 
         print_rank_result({"rank": rank, "cases": results})
-    dist.destroy_process_group()
+    from neuron_parallel.mesh import close_distributed
+
+    close_distributed()
 
 
 def summarize_pipe(case: dict, warmup: int) -> dict:

@@ -7,8 +7,11 @@ state beyond what torch.distributed itself keeps.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,26 @@ def init_distributed(device_type: str) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group(backend_for(device_type))
+
+
+def close_distributed() -> None:
+    """Leave the process group: a barrier first, so that no collective is in flight on any rank
+    when the group goes away, then ``destroy_process_group``."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this rank's process with ``code`` once its output is flushed, skipping interpreter
+    finalization. Call it after :func:`close_distributed`, when every result is written: gloo's
+    worker threads can still abort finalization ("terminate called without an active
+    exception", SIGABRT) after all work is done, and a finished run's exit status must not
+    depend on that race."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:

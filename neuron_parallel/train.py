@@ -32,7 +32,7 @@ from .config import JobConfig
 from .data import BlockStream
 from .engine import Engine, build_engine
 from .memprof import RankMemoryProbe
-from .mesh import ParallelDims, init_distributed, local_device
+from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, local_device
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
@@ -206,7 +206,7 @@ def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None =
         _report_memory(probe, job, run_dir)
     dist.barrier()
     emit("done", step=job.train.max_steps, run_dir=str(run_dir))
-    dist.destroy_process_group()
+    close_distributed()
 
 
 def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) -> tuple[Trainer, int]:
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m neuron_parallel.train RUN_DIR/job.json")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run_training(JobConfig.load(argv[0]), after_checkpoint=_hooks_from_env())
+    exit_rank(0)
 
 
 if __name__ == "__main__":

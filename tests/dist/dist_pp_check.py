@@ -31,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from neuron_parallel.checkpoint.tensors import HFWeights
 from neuron_parallel.launch import print_rank_result
+from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import build_meta_model, causal_lm_loss, load_weights, materialize
 from neuron_parallel.parallel.pipeline import (
     PipelineRunner,
@@ -213,9 +214,9 @@ def main() -> int:
         result = run_case(case_args(shlex.split(argv)))
         all_ok = all_ok and result["ok"]
         print_rank_result({"case": name, **result})
-    dist.destroy_process_group()
+    close_distributed()
     return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from neuron_parallel.checkpoint.save import _owns
 from neuron_parallel.checkpoint.tensors import HFWeights, local_view
 from neuron_parallel.launch import print_rank_result
+from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, causal_lm_loss, load_weights, materialize
 from neuron_parallel.parallel.tensor import align_grad_placements, apply_tensor_parallel
 
@@ -254,9 +255,9 @@ def main() -> int:
         result, ok = run_case(case_args(shlex.split(argv)), mesh)
         all_ok = all_ok and ok
         print_rank_result({"rank": rank, "case": name, "ok": ok, **(result or {})})
-    dist.destroy_process_group()
+    close_distributed()
     return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
