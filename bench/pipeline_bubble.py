@@ -136,8 +136,8 @@ def worker_pipe(cfg: dict) -> None:
             dist.all_gather_object(gathered, records)
             results.append({**case, "per_rank": gathered[:p]})
     else:
+        from neuron_parallel.batches import BlockStream
         from neuron_parallel.config import JobConfig
-        from neuron_parallel.data import BlockStream
         from neuron_parallel.engine import build_engine
         from neuron_parallel.mesh import ParallelDims, init_distributed, local_device
 
@@ -152,11 +152,11 @@ def worker_pipe(cfg: dict) -> None:
         stream = BlockStream(job.dataset_path, seed=cfg["seed"])
         records = []
         for step in range(1, steps + 1):
-            inputs, labels = stream.batch((step - 1) * mbs, mbs)
+            batch = stream.batch((step - 1) * mbs, mbs)
             dist.barrier()
             busy[0] = 0.0
             t0 = time.perf_counter()
-            engine.forward_backward(inputs, labels, 1.0)  # PipelineRunner.step: the 1F1B schedule
+            engine.forward_backward(batch, 1.0)  # PipelineRunner.step: the 1F1B schedule
             records.append({"step": step, "wall": time.perf_counter() - t0, "busy": busy[0]})
             engine.reduce_and_clip()
             engine.optimizer_step(job.train.lr)

@@ -129,7 +129,7 @@ def worker_plain(cfg: dict) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from transformers import AutoModelForCausalLM
 
-    from neuron_parallel.data import BlockStream
+    from neuron_parallel.batches import BlockStream
 
     torch.manual_seed(cfg["seed"])
     stream = BlockStream(cfg["dataset"], seed=cfg["seed"])
@@ -143,7 +143,8 @@ def worker_plain(cfg: dict) -> None:
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         torch.manual_seed(cfg["seed"] * 100_003 + step)
-        inputs, labels = stream.batch((step - 1) * mbs, mbs)
+        batch = stream.batch((step - 1) * mbs, mbs)
+        inputs, labels = batch.inputs, batch.labels
         loss = model(input_ids=inputs, labels=labels, shift_labels=labels).loss  # CE over all positions
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])

@@ -69,18 +69,20 @@ def cmd_train(args) -> int:
         config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
     _preflight(config)
     from neuron_flows.tasks.config import plan_layout
+    from neuron_parallel.audit import audit_summary
     from neuron_parallel.data import tokenize_data
     from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
     from neuron_parallel.models.causal_lm import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
     ds = tokenize_data(config.library("data"), model_dir)
+    print(f"data: {audit_summary(ds.audit)}", flush=True)
     layout, report = plan_layout(config, model_dir, ds.path)
     if report is not None:
         print(
             f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True
         )
-    job = config.to_job(model_path=model_dir, dataset_path=ds.path, layout=layout)
+    job = config.to_job(model_path=model_dir, dataset_path=ds.path, eval_dataset_path=ds.eval_path, layout=layout)
 
     def show(event: dict) -> None:
         kind = event.pop("event")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -61,28 +62,131 @@ class ModelConfig:
     """Hub revision when name_or_path is a Hub id."""
 
 
+DataFormat = Literal["text", "chat", "instruction", "prompt_completion"]
+
+
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """The training data and how it is cut into sequences."""
+    """The training data, how each example is rendered and masked, and how examples become rows."""
 
     source: str | list[str] = ".tiny/corpus.jsonl"
     """Local .txt/.jsonl/.parquet file(s) or folder, a Hub dataset name, or a local folder laid out
-    like a Hub dataset (configs declared in its README metadata)."""
+    like a Hub dataset (configs declared in its README metadata). With data.weights, a list whose
+    entries are separate sources to mix."""
     text_field: str = "text"
-    """Column holding the text."""
+    """Column holding the text (format text)."""
     config: str | None = None
     """Configuration of a Hub dataset or dataset folder (``load_dataset``'s name), e.g.
-    wikitext-2-raw-v1; needed when it declares several."""
+    wikitext-2-raw-v1; needed when it declares several. Applies to every source."""
     split: str = "train"
     """Split to read from a Hub dataset or dataset folder."""
     block_size: int = 128
     """Tokens per training sequence."""
     cache_dir: str = ".runs/datasets"
     """Where tokenized datasets are kept, keyed by fingerprint."""
+    format: DataFormat = "text"
+    """text (raw documents), chat (a column of messages), instruction (instruction / input /
+    response columns, alpaca or dolly style) or prompt_completion (prompt and completion columns)."""
+    messages_field: str = "messages"
+    """Column holding each conversation as a list of {role, content} (format chat); roles are
+    system, user, assistant and tool."""
+    prompt_field: str | None = None
+    """Column of the instruction (format instruction; default instruction) or of the prompt
+    (format prompt_completion; default prompt)."""
+    input_field: str | None = None
+    """Column of the optional context of an instruction (format instruction); default input
+    (alpaca) or context (dolly), whichever exists."""
+    response_field: str | None = None
+    """Column of the response (format instruction; default output (alpaca) or response (dolly))
+    or of the completion (format prompt_completion; default completion)."""
+    chat_template: str | None = None
+    """Path of a Jinja chat template file used instead of the tokenizer's own, e.g.
+    .tiny/chat_templates/llama3.jinja; needed for chat data when the tokenizer has none."""
+    train_on_prompt: bool = False
+    """Put loss on every token; false puts it only on assistant turns (chat, every one of them)
+    and on responses and completions, masking system, user and tool turns and prompts."""
+    packing: bool | None = None
+    """None: the format's default (text: the stream, documents concatenated with EOS and cut
+    into rows with plain causal attention; other formats: true). true: whole examples packed
+    greedily into rows, attention and positions restarting at each one. false: one example per
+    row, padded."""
+    weights: list[float] | None = None
+    """Mixing weights, one per entry of data.source (a list of separate sources), e.g. [3, 1];
+    examples are interleaved with these probabilities until the first source runs out."""
+    seed: int = 0
+    """Seeds the mixing of weighted sources and the eval hold-out (data.eval_fraction)."""
+    eval_source: str | list[str] | None = None
+    """Where evaluation examples come from (read like data.source); default data.source when
+    data.eval_split is set."""
+    eval_split: str | None = None
+    """Split of the evaluation examples, e.g. validation of the same dataset folder or Hub
+    dataset; default data.split when data.eval_source is set."""
+    eval_fraction: float = 0.0
+    """Hold this fraction of the training examples out for evaluation (chosen by data.seed,
+    before packing); 0 holds none. Not together with data.eval_source or data.eval_split."""
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"data.block_size must be >= 2, got {self.block_size}")
+        _check_choice("data", "format", self.format, DataFormat)
+        if self.format != "instruction" and self.input_field is not None:
+            raise ValueError(
+                f"data.input_field applies to data.format=instruction only (format is {self.format}); remove it"
+            )
+        if self.format in ("text", "chat"):
+            for name in ("prompt_field", "response_field"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"data.{name} applies to data.format instruction or prompt_completion (format is "
+                        f"{self.format}); remove it or set data.format"
+                    )
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise ValueError(
+                f"data.chat_template={self.chat_template!r} is not a file; give the path of a Jinja chat template, "
+                "e.g. one of neuron_parallel/chat_templates/, or remove it to use the tokenizer's own"
+            )
+        self._check_weights()
+        self._check_eval()
+
+    def _check_weights(self) -> None:
+        if self.weights is None:
+            return
+        if isinstance(self.source, str) or len(self.source) != len(self.weights):
+            count = 1 if isinstance(self.source, str) else len(self.source)
+            raise ValueError(
+                f"data.weights has {len(self.weights)} entries but data.source has {count}; give data.source "
+                "as a list with one source per weight, or remove data.weights"
+            )
+        if not all(w > 0 and math.isfinite(w) for w in self.weights):
+            raise ValueError(f"data.weights must all be positive numbers, got {self.weights}")
+
+    def _check_eval(self) -> None:
+        if not (self.eval_fraction == 0 or 0 < self.eval_fraction < 1):
+            raise ValueError(
+                f"data.eval_fraction must be 0 (no hold-out) or between 0 and 1 exclusive, got {self.eval_fraction}; "
+                "e.g. 0.1 holds out 10% of the examples"
+            )
+        if self.eval_fraction and (self.eval_source is not None or self.eval_split is not None):
+            raise ValueError(
+                "data.eval_fraction holds evaluation examples out of the training data, so it does not go with "
+                "data.eval_source or data.eval_split; keep one way of choosing them"
+            )
+        if self.eval_source is None and self.eval_split == self.split:
+            raise ValueError(
+                f"data.eval_split={self.eval_split!r} is data.split: the evaluation examples would be the training "
+                "examples; name another split (e.g. validation), set data.eval_source, or use data.eval_fraction"
+            )
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether evaluation rows are made (from an eval source or split, or held out)."""
+        return self.eval_source is not None or self.eval_split is not None or self.eval_fraction > 0
+
+    @property
+    def documents(self) -> bool:
+        """Whether rows hold whole examples with their own positions (packing true or false)
+        rather than a cut stream (format text with packing unset)."""
+        return self.packing is not None or self.format != "text"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,6 +270,41 @@ class ParallelConfig:
         return cls(**kwargs)
 
 
+LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of the decoder layers: LoRA's default targets."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on frozen base weights: ``W x + (alpha / r) · B A dropout(x)``."""
+
+    r: int = 8
+    """Rank of each adapter."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS_DEFAULT))
+    """Linear layers of every decoder layer that get an adapter, by name (q_proj … down_proj)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Whole modules trained in full alongside the adapters and saved with them, e.g. lm_head."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"train.lora.r must be >= 1, got {self.r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"train.lora.dropout must be within [0, 1), got {self.dropout}")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS_DEFAULT))
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"train.lora.target_modules {unknown or '[]'} not among the decoder's projections "
+                f"{list(LORA_TARGETS_DEFAULT)}; name one or more of those"
+            )
+        unknown = sorted(set(self.modules_to_save) - {"lm_head", "embed_tokens"})
+        if unknown:
+            raise ValueError(f"train.lora.modules_to_save {unknown} unknown; use lm_head and/or embed_tokens")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Optimisation hyper-parameters and the checkpoint cadence."""
@@ -203,6 +342,16 @@ class TrainConfig:
     """adamw, or sgd (exact update, used for parity checks)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    eval_every: int = 0
+    """Compute the eval loss every N optimizer steps and after the last one (needs eval data:
+    data.eval_source, data.eval_split or data.eval_fraction); 0 evaluates only after the last
+    step."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters on the frozen base model instead of every weight; None (the
+    default) fine-tunes every weight."""
+    early_stopping_patience: int = 0
+    """End training, with a final checkpoint, after this many evals in a row without a lower eval
+    loss; 0 never stops early."""
     resume_from: str | None = None
     """Another run directory (or one of its checkpoints) to continue from when the run directory
     has no checkpoint of its own."""
@@ -216,7 +365,7 @@ class TrainConfig:
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "keep_checkpoints", "warmup_steps"):
+        for name in ("save_every", "keep_checkpoints", "warmup_steps", "eval_every", "early_stopping_patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -233,7 +382,14 @@ class TrainConfig:
                 f"train.micro_batch_size={self.micro_batch_size}; use a micro batch in "
                 f"{divisors(self.global_batch_size)}"
             )
+        if self.early_stopping_patience and not self.eval_every:
+            raise ValueError(
+                "train.early_stopping_patience needs train.eval_every > 0: evals happen only after the last step "
+                "otherwise; set eval_every or drop early_stopping_patience"
+            )
         self.betas = tuple(self.betas)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -268,6 +424,15 @@ class LaunchConfig:
             )
 
 
+def check_eval(data: DataConfig, train: TrainConfig) -> None:
+    """Refuse evaluation settings of ``train`` that the ``data`` section gives no eval rows for."""
+    if train.eval_every and not data.has_eval:
+        raise ValueError(
+            f"train.eval_every={train.eval_every} needs evaluation data; set data.eval_fraction (e.g. 0.05), "
+            "data.eval_split (e.g. validation) or data.eval_source, or set train.eval_every=0"
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
     """Everything one training run needs; written to ``output_dir/job.json`` for the ranks."""
@@ -278,6 +443,8 @@ class JobConfig:
     """A tokenized, packed dataset saved with ``datasets.Dataset.save_to_disk``."""
     output_dir: str
     """The run directory: metrics.jsonl and checkpoint-<step>/ folders."""
+    eval_dataset_path: str | None = None
+    """Tokenized eval rows (same format as ``dataset_path``), or None for no eval loss."""
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,9 +1,17 @@
-"""Tokenization, packing and the deterministic order in which training reads the blocks.
+"""Loading, tokenizing, packing and caching the training data: what the tokenize step hands to
+training.
 
-Tokenization uses ``datasets`` (batched ``map``, ``save_to_disk``). Each packed row holds
-``block_size + 1`` tokens, so every one of the ``block_size`` input positions has its next
-token as the label, and the sequence length the model sees divides cleanly for sequence
-parallelism.
+``tokenize_data`` reads every source (``datasets``), renders and masks each example
+(``neuron_parallel.sft``), mixes weighted sources, holds out or reads the evaluation examples,
+builds rows (``neuron_parallel.packing``) and saves them under ``cache_dir/<fingerprint>/``:
+
+- ``train/`` and, when evaluation is configured, ``eval/``: ``datasets`` folders (numpy format)
+  with int32 columns ``input_ids``, ``labels`` (shifted targets, -100 without loss) and, in
+  document mode only, ``position_ids``, each of ``block_size`` tokens per row;
+- ``neuron_flows_dataset.json``: the ``TokenizedDataset``; ``audit.json``: its audit.
+
+An existing complete result is reused; a new one is written under a private name and renamed
+into place.
 """
 
 from __future__ import annotations
@@ -11,29 +19,59 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-import torch
-
+from .audit import build_audit
 from .config import DataConfig
+from .packing import PACK_BATCH, count_columns, document_rows, stream_rows
+from .sft import Encoder, resolve_columns
 from .utils import sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+INFO_FILE = "neuron_flows_dataset.json"
+AUDIT_FILE = "audit.json"
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenizedDataset:
-    """A packed dataset on disk: what the tokenize step hands to training."""
+    """A tokenized dataset on disk: what the tokenize step hands to training."""
 
     path: str
+    """The training rows (``<cache_dir>/<fingerprint>/train``)."""
     fingerprint: str
+    """Digest of everything that determines the rows (``dataset_fingerprint``)."""
     num_tokens: int
+    """Stream: every token of the training documents; documents: the real tokens in the rows."""
     num_blocks: int
+    """Training rows."""
     block_size: int
+    """Tokens per row."""
+    attention: str = "causal"
+    """causal (the stream: plain causal attention across a row) or document (attention and
+    ``position_ids`` restart at every document)."""
+    eval_path: str | None = None
+    """The evaluation rows, when evaluation is configured."""
+    num_eval_blocks: int = 0
+    """Evaluation rows."""
+    audit: dict = field(default_factory=dict, hash=False)
+    """What was made of the data (``audit_table`` lists it); JSON-serialisable."""
 
 
 def dataset_repo(source: str | list[str]) -> str | None:
@@ -73,19 +111,15 @@ def _local_files(source: str | list[str]) -> list[Path] | None:
     return files
 
 
-def dataset_fingerprint(
-    source: str | list[str],
-    tokenizer_dir: str | Path,
-    *,
-    block_size: int,
-    text_field: str,
-    split: str,
-    config: str | None = None,
-) -> str:
-    """A digest of everything that determines the packed blocks: file contents (or the Hub name),
-    the dataset config and split, the tokenizer files, the block size, the text field and this
-    format's version."""
-    h = hashlib.sha256()
+def _source_entries(data: DataConfig) -> list[tuple[str | list[str], str]]:
+    """The training sources with the name refusals use: each entry of a weighted list, else the
+    whole ``data.source`` (one file, folder, list of files, dataset folder or Hub id)."""
+    if data.weights is not None:
+        return [(s, f"data.source[{i}]") for i, s in enumerate(data.source)]
+    return [(data.source, "data.source")]
+
+
+def _hash_source(h, source: str | list[str]) -> None:
     repo = dataset_repo(source)
     if repo is None:
         files = _local_files(source)
@@ -93,13 +127,30 @@ def dataset_fingerprint(
         files = sorted(p for p in Path(repo).expanduser().rglob("*") if p.is_file() and ".git" not in p.parts)
     else:
         files = None
-    h.update(json.dumps([FORMAT_VERSION, block_size, text_field, split, config]).encode())
     if files is None:
         h.update(f"hub:{source}".encode())
     else:
+        h.update(f"files:{len(files)}".encode())
         for f in files:
             h.update(sha256_file(f).encode())
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model"):
+
+
+def dataset_fingerprint(data: DataConfig, tokenizer_dir: str | Path) -> str:
+    """A digest of everything that determines the rows: every setting of ``data`` but where
+    things are kept, the contents of every source and evaluation source (or their Hub names) and
+    of the chat template file, the tokenizer's files, and this format's version."""
+    h = hashlib.sha256()
+    paths = ("source", "eval_source", "cache_dir", "chat_template")  # counted by content below
+    settings = {k: v for k, v in dataclasses.asdict(data).items() if k not in paths}
+    h.update(json.dumps([FORMAT_VERSION, settings], sort_keys=True).encode())
+    for source, _ in _source_entries(data):
+        _hash_source(h, source)
+    if data.eval_source is not None:
+        h.update(b"eval")
+        _hash_source(h, data.eval_source)
+    if data.chat_template is not None:
+        h.update(b"template" + sha256_file(Path(data.chat_template).expanduser()).encode())
+    for name in _TOKENIZER_FILES:
         p = Path(tokenizer_dir) / name
         if p.exists():
             h.update(name.encode() + sha256_file(p).encode())
@@ -141,118 +192,184 @@ def _load_repo(repo: str, split: str, config: str | None):
         raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
-def tokenize_dataset(
-    *,
-    source: str | list[str],
-    tokenizer_dir: str | Path,
-    block_size: int,
-    cache_dir: str | Path,
-    text_field: str = "text",
-    split: str = "train",
-    config: str | None = None,
-    num_proc: int | None = None,
-) -> TokenizedDataset:
-    """Tokenize ``source`` with the tokenizer in ``tokenizer_dir``, append EOS to every document,
-    concatenate and cut into rows of ``block_size + 1`` tokens (the remainder is dropped), and
-    save under ``cache_dir/<fingerprint>``. An existing complete result is reused."""
+def _encoded_features():
+    from datasets import Features, List, Value
+
+    return Features({"ids": List(Value("int32")), "trained": List(Value("int8"))})
+
+
+def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | None):
+    """Every source's examples as ``ids`` and ``trained`` lists, weighted sources interleaved."""
+    from datasets import interleave_datasets
+
+    parts = []
+    for source, name in sources:
+        if split != data.split and dataset_repo(source) is None:
+            raise ValueError(
+                f"data.eval_split={split!r} names a split of a Hub dataset or dataset folder, but {name} {source!r} "
+                "is plain data files (one split); drop data.eval_split and point data.eval_source at the evaluation "
+                "file(s), or hold examples out with data.eval_fraction"
+            )
+        raw = _load_raw(source, split, data.config)
+        encoder = Encoder(data, tokenizer, resolve_columns(data, raw.column_names, f"{name} {source!r}"), name)
+        parts.append(
+            raw.map(
+                encoder,
+                batched=True,
+                with_indices=True,
+                remove_columns=raw.column_names,
+                features=_encoded_features(),
+                num_proc=num_proc,
+                load_from_cache_file=False,  # the rows are cached by fingerprint; no stale partial results
+                desc=f"tokenize {name}",
+            )
+        )
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(data.weights)
+    return interleave_datasets(
+        parts, probabilities=[w / total for w in data.weights], seed=data.seed, stopping_strategy="first_exhausted"
+    )
+
+
+def _split_examples(data: DataConfig, tokenizer, num_proc: int | None):
+    """``(training examples, evaluation examples or None)``: the evaluation ones read from
+    ``eval_source``/``eval_split``, or held out of the training examples by ``data.seed``."""
+    sources = _source_entries(data)
+    examples = _examples(data, tokenizer, sources, data.split, num_proc)
+    if data.eval_fraction:
+        n = len(examples)
+        if n < 2 or math.ceil(n * data.eval_fraction) >= n:
+            raise ValueError(
+                f"data.eval_fraction={data.eval_fraction} of {n} examples leaves no training or no evaluation "
+                "example; use a smaller fraction, more data, or data.eval_source"
+            )
+        parts = examples.train_test_split(test_size=data.eval_fraction, seed=data.seed, load_from_cache_file=False)
+        return parts["train"], parts["test"]
+    if not data.has_eval:
+        return examples, None
+    eval_sources = sources if data.eval_source is None else [(data.eval_source, "data.eval_source")]
+    return examples, _examples(data, tokenizer, eval_sources, data.eval_split or data.split, num_proc)
+
+
+def _rows(data: DataConfig, examples, pad_id: int, num_proc: int | None):
+    """The rows of ``examples`` (``neuron_parallel.packing``) and the sums of their counts."""
+    from datasets import Features, List, Value
+
+    row = List(Value("int32"), length=data.block_size)
+    names = ["input_ids", "labels"] + (["position_ids"] if data.documents else [])
+    counts = {name: Value("int64") for name in ("_kept", "_truncated", "_tokens", "_trained")}
+    if data.documents:
+        split_long = data.format == "text"
+        fn = partial(
+            document_rows,
+            block_size=data.block_size,
+            pad_id=pad_id,
+            split_long=split_long,
+            one_per_row=data.packing is False,
+        )
+    else:
+        fn = partial(stream_rows, block_size=data.block_size)
+    rows = examples.with_format("arrow").map(
+        fn,
+        batched=True,
+        batch_size=PACK_BATCH,
+        remove_columns=examples.column_names,
+        features=Features({**{n: row for n in names}, **counts}),
+        num_proc=num_proc,
+        load_from_cache_file=False,
+        desc="pack",
+    )
+    totals = count_columns(rows)
+    return rows.with_format(None).remove_columns(list(counts)), totals
+
+
+def _list_tokens(examples) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(examples.with_format("arrow")[:]["ids"])).as_py() or 0)
+
+
+def _refuse_empty(data: DataConfig, examples, what: str) -> None:
+    if data.documents:
+        raise ValueError(
+            f"no {what} example has a token to train on ({len(examples)} examples); check data.train_on_prompt, "
+            f"the response or assistant column (data.format={data.format}), and that examples fit data.block_size"
+        )
+    raise ValueError(
+        f"the {what} data has {_list_tokens(examples)} tokens, fewer than one block of {data.block_size + 1}; "
+        "lower data.block_size or add data"
+    )
+
+
+def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int | None = None) -> TokenizedDataset:
+    """Tokenize, mask and pack ``data`` with the tokenizer in ``tokenizer_dir`` into
+    ``data.cache_dir/<fingerprint>/`` (see the module docstring), reusing an existing result.
+    ``num_proc`` processes tokenize and pack. Raises ValueError naming the fault and the fix."""
     from transformers import AutoTokenizer
 
-    if block_size < 2:
-        raise ValueError(f"data.block_size must be >= 2, got {block_size}")
-    fingerprint = dataset_fingerprint(
-        source, tokenizer_dir, block_size=block_size, text_field=text_field, split=split, config=config
-    )
-    out = Path(cache_dir) / fingerprint
-    info_path = out / "neuron_flows_dataset.json"
+    fingerprint = dataset_fingerprint(data, tokenizer_dir)
+    out = Path(data.cache_dir) / fingerprint
+    info_path = out / INFO_FILE
     if info_path.exists():
         return TokenizedDataset(**json.loads(info_path.read_text()))
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tokenizer.model_max_length = 1 << 62  # documents are packed into blocks, so no length limit applies
+    tokenizer.model_max_length = 1 << 62  # examples are cut to rows here, so no length limit applies
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; packing needs one to separate documents")
-    raw = _load_raw(source, split, config)
-    if text_field not in raw.column_names:
-        raise ValueError(f"data.text_field={text_field!r} is not a column of {source!r}; columns: {raw.column_names}")
-    eos = tokenizer.eos_token_id
-    row = block_size + 1
+        raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; packing needs one to end documents")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_ex, eval_ex = _split_examples(data, tokenizer, num_proc)
+    train_rows, totals = _rows(data, train_ex, pad_id, num_proc)
+    if len(train_rows) == 0:
+        _refuse_empty(data, train_ex, "training")
+    eval_rows = None
+    if eval_ex is not None:
+        eval_rows, _ = _rows(data, eval_ex, pad_id, num_proc)
+        if len(eval_rows) == 0:
+            _refuse_empty(data, eval_ex, "evaluation")
 
-    def encode(batch):
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
-
-    def pack(batch):
-        flat = [t for ids in batch["ids"] for t in ids]
-        usable = len(flat) // row * row
-        return {"input_ids": [flat[i : i + row] for i in range(0, usable, row)]}
-
-    tokens = raw.map(encode, batched=True, remove_columns=raw.column_names, num_proc=num_proc)
-    num_tokens = sum(len(x) for x in tokens["ids"])
-    # One packing batch spans many documents so little is dropped at batch edges.
-    packed = tokens.map(pack, batched=True, batch_size=10_000, remove_columns=["ids"], num_proc=num_proc)
-    if len(packed) == 0:
-        raise ValueError(
-            f"{source!r} has {num_tokens} tokens, fewer than one block of {row}; lower data.block_size or add data"
-        )
+    audit = build_audit(data, tokenizer, train_ex, train_rows, totals, eval_ex, eval_rows)
     # A private temporary name, renamed into place: several nodes (or runs) may tokenize the
     # same data into a shared cache at once, and whichever finishes first wins.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    packed.with_format("numpy").save_to_disk(str(tmp))
-    result = TokenizedDataset(
-        path=str(out), fingerprint=fingerprint, num_tokens=num_tokens, num_blocks=len(packed), block_size=block_size
+    train_rows.with_format("numpy").save_to_disk(str(tmp / "train"))
+    if eval_rows is not None:
+        eval_rows.with_format("numpy").save_to_disk(str(tmp / "eval"))
+    info = TokenizedDataset(
+        path=str(out / "train"),
+        fingerprint=fingerprint,
+        num_tokens=totals["tokens"] if data.documents else _list_tokens(train_ex),
+        num_blocks=len(train_rows),
+        block_size=data.block_size,
+        attention="document" if data.documents else "causal",
+        eval_path=str(out / "eval") if eval_rows is not None else None,
+        num_eval_blocks=audit["eval_rows"],
+        audit=audit,
     )
-    (tmp / info_path.name).write_text(json.dumps(dataclasses.asdict(result)))
+    text = json.dumps(dataclasses.asdict(info), ensure_ascii=False)
+    (tmp / INFO_FILE).write_text(text)
+    (tmp / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False))
     try:
         tmp.rename(out)
     except OSError:
         if not info_path.exists():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-    return result
+    return TokenizedDataset(**json.loads(text))  # exactly what a later call reads back
 
 
-class BlockStream:
-    """The order training reads packed blocks in: a seeded permutation per epoch, consumed
-    sequentially, so optimizer step ``s`` always sees global samples ``[s·G, (s+1)·G)``
-    whatever the parallel layout and wherever a resumed run starts."""
-
-    def __init__(self, path: str | Path, *, seed: int) -> None:
-        from datasets import load_from_disk
-
-        self.dataset = load_from_disk(str(path)).with_format("torch")
-        self.num_blocks = len(self.dataset)
-        self.seed = seed
-        self._perm: tuple[int, torch.Tensor] | None = None
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.num_blocks, generator=g))
-        return self._perm[1]
-
-    def indices(self, start: int, count: int) -> list[int]:
-        """Dataset rows for global sample positions ``start .. start + count - 1``."""
-        out = []
-        for g in range(start, start + count):
-            epoch, pos = divmod(g, self.num_blocks)
-            out.append(int(self._permutation(epoch)[pos]))
-        return out
-
-    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, labels)`` of shape ``(count, block_size)`` for those positions."""
-        rows = self.dataset[self.indices(start, count)]["input_ids"]
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
-def tokenize_data(data: DataConfig, tokenizer_dir: str | Path) -> TokenizedDataset:
-    """``tokenize_dataset`` for the ``data`` section of a run's config."""
-    return tokenize_dataset(
-        source=data.source,
-        tokenizer_dir=tokenizer_dir,
-        block_size=data.block_size,
-        cache_dir=data.cache_dir,
-        text_field=data.text_field,
-        split=data.split,
-        config=data.config,
-    )
+def tokenize_dataset(
+    *,
+    source: str | list[str],
+    tokenizer_dir: str | Path,
+    block_size: int,
+    cache_dir: str | Path,
+    num_proc: int | None = None,
+    **fields,
+) -> TokenizedDataset:
+    """``tokenize_data`` with the ``DataConfig`` fields given as keywords (``text_field``,
+    ``split``, ``config``, ``format``, ...)."""
+    data = DataConfig(source=source, block_size=block_size, cache_dir=str(cache_dir), **fields)
+    return tokenize_data(data, tokenizer_dir, num_proc=num_proc)

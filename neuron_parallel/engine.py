@@ -16,12 +16,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from .batches import Batch
 from .checkpoint.tensors import HFWeights
 from .config import JobConfig
 from .mesh import ParallelDims
 from .models.causal_lm import build_meta_model, causal_lm_loss, load_config, load_weights, materialize
 from .optim import all_reduce_grads, build_optimizer, clip_grad_norm
 from .parallel.dtensor import full
+from .parallel.lora import add_lora, freeze_base, init_adapters, is_adapter
 from .parallel.pipeline import PipelineRunner, build_stages, stage_ids_for_rank, sum_tied_embedding_grads
 from .parallel.tensor import align_grad_placements, apply_tensor_parallel
 
@@ -55,10 +57,27 @@ class Engine:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
     @property
+    def tied_trainable(self) -> bool:
+        """Whether the tied embedding is trained (always, unless LoRA leaves it frozen)."""
+        return self.lora is None or bool({"lm_head", "embed_tokens"} & set(self.lora.modules_to_save))
+
+    @property
     def has_first(self) -> bool:
         return 0 in self.stage_ids
 
+    @property
+    def lora(self):
+        return self.job.train.lora
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters of this rank's stages, each once: every weight, or under LoRA
+        the adapters and ``modules_to_save`` (the frozen base is in :meth:`frozen_parameters`)."""
+        return [(n, p) for n, p in self._all_parameters() if p.requires_grad]
+
+    def frozen_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self._all_parameters() if not p.requires_grad]
+
+    def _all_parameters(self) -> list[tuple[str, nn.Parameter]]:
         seen, out = set(), []
         for part in self.parts:
             for name, p in part.named_parameters():
@@ -80,17 +99,41 @@ class Engine:
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        """Run one micro-batch; gradients accumulate scaled by ``scale``. Returns its mean loss
-        (the same value on every rank of the model-parallel group)."""
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+        """Run one micro-batch; gradients accumulate as those of ``loss × scale``. Returns the
+        loss, the sum over its labelled tokens (the same value on every rank of the
+        model-parallel group)."""
         with self._compute():
             if self.runner is not None:
                 self.runner.loss_scale = scale
-                return self.runner.step(inputs if self.has_first else None, labels)
-            loss = causal_lm_loss(self.parts[0](inputs, seq_len=inputs.shape[1]), labels)
+                return self.runner.step(*self._pipeline_args(batch))
+            loss = causal_lm_loss(self._forward(batch), batch.labels.to(self.device))
             (loss * scale).backward()
         return full(loss.detach())
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of ``batch`` over its labelled tokens, forward only, in eval mode."""
+        for part in self.parts:
+            part.eval()
+        try:
+            with self._compute():
+                if self.runner is not None:
+                    return self.runner.step(*self._pipeline_args(batch))
+                return full(causal_lm_loss(self._forward(batch), batch.labels.to(self.device)))
+        finally:
+            for part in self.parts:
+                part.train()
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        inputs = batch.inputs.to(self.device)
+        if batch.positions is None:
+            return self.parts[0](inputs, seq_len=inputs.shape[1])
+        return self.parts[0](inputs, batch.positions.to(self.device))
+
+    def _pipeline_args(self, batch: Batch) -> tuple:
+        inputs = batch.inputs if self.has_first else None
+        return inputs, batch.labels, batch.positions if self.has_first else None
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Make gradients whole: align TP placements, sum tied embeddings across pipeline
@@ -99,7 +142,7 @@ class Engine:
         mesh = self.dims.mesh
         if self.dims.tp > 1:
             align_grad_placements(params)
-        if self.tied and self.dims.pp > 1:
+        if self.tied and self.dims.pp > 1 and self.tied_trainable:
             sum_tied_embedding_grads(self.parts, mesh["pp"].get_group())
         all_reduce_grads(params, mesh["dp"].get_group(), self.dims.dp)
         # A tied weight split over two stages holds one gradient twice; count it once.
@@ -128,11 +171,17 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
         meta, config, pp_rank=pp_rank, layer_split=pc.layer_split, recompute_every=pc.activation_checkpointing, **layout
     )
     weights = HFWeights(job.model_path)
+    lora = job.train.lora
     for part in parts:
+        if lora is not None:
+            add_lora(part, lora)
         if dims.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], sequence_parallel=pc.sequence_parallel)
         materialize(part, device)
-        load_weights(part, weights, tied=bool(config.tie_word_embeddings))
+        load_weights(part, weights, tied=bool(config.tie_word_embeddings), skip=is_adapter)
+        if lora is not None:
+            init_adapters(part, job.train.seed)
+            freeze_base(part, lora)
         part.train()
     runner = None
     if dims.pp > 1:

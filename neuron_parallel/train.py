@@ -14,6 +14,7 @@ the start event and every checkpoint's ``trainer_state.json`` state the numbers 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -25,11 +26,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .batches import BlockStream, EvalRows
 from .checkpoint import CheckpointTensors, CheckpointWriter
-from .checkpoint.engine_state import load_engine_state, model_tensors, optim_tensors
+from .checkpoint.engine_state import (
+    adapter_meta,
+    base_model_identity,
+    check_base_model,
+    load_engine_state,
+    model_tensors,
+    optim_tensors,
+)
+from .checkpoint.format import TRAINER_STATE
 from .checkpoint.resume import find_resume_checkpoint
 from .config import JobConfig
-from .data import BlockStream
 from .engine import Engine, build_engine
 from .memprof import RankMemoryProbe
 from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, local_device
@@ -45,6 +54,15 @@ step is complete (see :func:`fail_after_checkpoint`)."""
 BATCH_RULE = (
     "global_batch_size = micro_batch_size × dp × grad_accum, fixed by train.global_batch_size whatever the layout"
 )
+LOSS_RULE = (
+    "loss = sum of token losses over the labelled tokens of the whole global batch / their number, "
+    "whatever the layout, accumulation or pipeline microbatching"
+)
+"""How a step's loss is normalised. Every micro-batch's backward sees its summed token loss ×
+dp / N, where N counts the labelled tokens of the global batch (an all-reduce over dp of each
+rank's count, made before the first forward); the dp all-reduce of gradients averages (÷ dp),
+so the update is the gradient of the global mean, exactly as one process computes it. A mean
+per micro-batch would not be: SFT rows hold different numbers of trained tokens."""
 _LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
 
 CheckpointHook = Callable[["Trainer", int], None]
@@ -94,6 +112,21 @@ def _phase(probe: RankMemoryProbe | None, name: str):
 
 
 @dataclass
+class EvalState:
+    """The eval history early stopping needs, carried in every checkpoint's trainer state."""
+
+    best_loss: float | None = None
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+
+    def update(self, eval_loss: float) -> None:
+        if self.best_loss is None or eval_loss < self.best_loss:
+            self.best_loss, self.evals_without_improvement = eval_loss, 0
+        else:
+            self.evals_without_improvement += 1
+
+
+@dataclass
 class Trainer:
     """One rank's training loop over an already built (and, if resuming, loaded) engine."""
 
@@ -105,6 +138,10 @@ class Trainer:
     metrics_path: Path
     probe: RankMemoryProbe | None = None
     after_checkpoint: list[CheckpointHook] = field(default_factory=list)
+    eval_rows: EvalRows | None = None
+    eval_state: EvalState = field(default_factory=EvalState)
+    base_model: dict | None = None
+    """Under LoRA, the frozen base's identity (``base_model_identity``), stored with every checkpoint."""
 
     @property
     def dp_rank(self) -> int:
@@ -114,49 +151,90 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.job.global_batch_size * self.job.block_size
 
-    def run(self, start_step: int) -> None:
-        """Optimizer steps ``start_step + 1 .. train.max_steps``, then wait for the last save."""
+    def run(self, start_step: int) -> int:
+        """Optimizer steps ``start_step + 1 .. train.max_steps`` (fewer if early stopping ends
+        them), then wait for the last save. Returns the last step trained."""
         tc = self.job.train
         t_start = time.perf_counter()
-        for step in range(start_step + 1, tc.max_steps + 1):
+        step = start_step
+        while step < tc.max_steps and not self.eval_state.stopped_early:
+            step += 1
             record = self.train_step(step)
             record["elapsed_s"] = time.perf_counter() - t_start
+            if self.eval_rows is not None and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
+                record.update(self.evaluate(step))
             if dist.get_rank() == 0:
                 with self.metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-            if step % tc.log_every == 0 or step == tc.max_steps:
+            last = step == tc.max_steps or self.eval_state.stopped_early
+            if step % tc.log_every == 0 or last:
                 emit("step", max_steps=tc.max_steps, **record)
-            if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
+            if (tc.save_every and step % tc.save_every == 0) or last:
                 self.checkpoint(step, record)
         with _phase(self.probe, "save"):
             self.writer.wait()
+        return step
 
     def train_step(self, step: int) -> dict:
         """One optimizer step over ``global_batch_size`` sequences: this dp rank's share, in
-        ``grad_accum`` micro-batches. Returns the step's metrics record (loss averaged over dp)."""
+        ``grad_accum`` micro-batches, normalised by :data:`LOSS_RULE`. Returns the step's
+        metrics record."""
         job, tc, dp = self.job, self.job.train, self.dims.dp
         t0 = time.perf_counter()
         torch.manual_seed(tc.seed * 100_003 + step)
         mbs, base = tc.micro_batch_size, (step - 1) * job.global_batch_size
+        batches = [self.stream.batch(base + a * mbs * dp + self.dp_rank * mbs, mbs) for a in range(job.grad_accum)]
+        num_targets = self._dp_sum(float(sum(b.num_targets for b in batches)))
+        scale = dp / max(num_targets, 1.0)
         loss_sum = torch.zeros((), device=self.engine.device)
-        for a in range(job.grad_accum):
-            inputs, labels = self.stream.batch(base + a * mbs * dp + self.dp_rank * mbs, mbs)
-            loss_sum += self.engine.forward_backward(inputs, labels, 1.0 / job.grad_accum)
+        for batch in batches:
+            loss_sum += self.engine.forward_backward(batch, scale)
         grad_norm = self.engine.reduce_and_clip()
         lr = lr_at(step, tc)
         self.engine.optimizer_step(lr)
-        loss = loss_sum / job.grad_accum
-        dist.all_reduce(loss, group=self.dims.mesh["dp"].get_group())
+        dist.all_reduce(loss_sum, group=self.dims.mesh["dp"].get_group())
         dt = time.perf_counter() - t0
         return {
             "step": step,
-            "loss": loss.item() / dp,
+            "loss": loss_sum.item() / max(num_targets, 1.0),
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_s": self.tokens_per_step / dt,
             "tokens_seen": step * self.tokens_per_step,
+            "trained_tokens": int(num_targets),
             "step_time_s": dt,
         }
+
+    def evaluate(self, step: int) -> dict:
+        """The eval loss after ``step``: the summed token loss over every labelled token of the
+        eval rows / their number, whatever the layout. Each round reads ``micro_batch_size`` rows
+        per dp rank (the training shape, which pipeline buffers are sized for); the last round
+        is filled up with empty rows. Updates early stopping and emits an ``eval`` event."""
+        t0 = time.perf_counter()
+        mbs, dp = self.job.train.micro_batch_size, self.dims.dp
+        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        count = 0
+        for start in range(0, self.eval_rows.num_rows, mbs * dp):
+            batch = self.eval_rows.batch(start + self.dp_rank * mbs, mbs)
+            total += self.engine.eval_loss(batch).double()
+            count += batch.num_targets
+        totals = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(totals, group=self.dims.mesh["dp"].get_group())
+        eval_loss = totals[0].item() / max(totals[1].item(), 1.0)
+        patience = self.job.train.early_stopping_patience
+        self.eval_state.update(eval_loss)
+        fields = {"eval_loss": eval_loss, "eval_tokens": int(totals[1].item())}
+        emit("eval", step=step, eval_time_s=time.perf_counter() - t0, **fields)
+        if patience and self.eval_state.evals_without_improvement >= patience:
+            self.eval_state.stopped_early = True
+            reason = f"{patience} evals without a lower eval loss than {self.eval_state.best_loss:.6g}"
+            emit("early_stop", step=step, reason=reason)
+        return fields
+
+    def _dp_sum(self, value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(t, group=self.dims.mesh["dp"].get_group())
+        return t.item()
 
     def checkpoint(self, step: int, record: dict) -> None:
         """Save the checkpoint of ``step``, emit a ``checkpoint`` event, run the hooks."""
@@ -168,6 +246,7 @@ class Trainer:
                 optim=optim_tensors(self.engine, self.dp_rank),
                 parallel=self.job.parallel,
                 trainer_state=self.trainer_state(step, record),
+                adapter=adapter_meta(self.engine, self.base_model),
             )
         blocked = time.perf_counter() - t_save
         emit("checkpoint", step=step, path=str(path), blocked_s=blocked, async_save=self.job.train.async_save)
@@ -186,6 +265,8 @@ class Trainer:
             "lr_schedule": {k: getattr(tc, k) for k in _LR_FIELDS},
             "seed": tc.seed,
             "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
+            "loss_rule": LOSS_RULE,
+            "eval": dataclasses.asdict(self.eval_state),
             "metrics": record,
         }
 
@@ -201,11 +282,11 @@ def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None =
     probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
     with probe or contextlib.nullcontext():
         trainer, start_step = _prepare(job, dims, run_dir, probe, list(after_checkpoint or ()))
-        trainer.run(start_step)
+        last_step = trainer.run(start_step)
     if probe:
         _report_memory(probe, job, run_dir)
     dist.barrier()
-    emit("done", step=job.train.max_steps, run_dir=str(run_dir))
+    emit("done", step=last_step, run_dir=str(run_dir), stopped_early=trainer.eval_state.stopped_early)
     close_distributed()
 
 
@@ -216,7 +297,8 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     torch.manual_seed(tc.seed)
     stream = BlockStream(job.dataset_path, seed=tc.seed)
     engine = build_engine(job, dims, local_device(job.device))
-    start_step = _resume(job, engine, run_dir, probe)
+    base = _base_identity(job)
+    start_step, eval_state = _resume(job, engine, run_dir, probe, base)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_path, start_step)
@@ -226,25 +308,41 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     writer = CheckpointWriter(
         run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints, async_save=tc.async_save
     )
-    return Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks), start_step
+    eval_rows = EvalRows(job.eval_dataset_path) if job.eval_dataset_path else None
+    trainer = Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks, eval_rows, eval_state, base)
+    return trainer, start_step
 
 
-def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe) -> int:
-    """Load the checkpoint rank 0 picks (warning about any it skipped); the step it was at, or 0."""
+def _base_identity(job: JobConfig) -> dict | None:
+    """Under LoRA, the base model's identity, hashed once on rank 0 and shared."""
+    if job.train.lora is None:
+        return None
+    shared = [base_model_identity(job.model_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe, base: dict | None) -> tuple[int, EvalState]:
+    """Load the checkpoint rank 0 picks (warning about any it skipped); the step it was at (or 0)
+    and the eval history it carries (a run that stopped early stays stopped)."""
     found = find_resume_checkpoint(run_dir, job.train.resume_from) if dist.get_rank() == 0 else (None, [])
     shared = [str(found[0]) if found[0] else None, found[1]]
     dist.broadcast_object_list(shared, src=0)
     for why in shared[1]:
         emit("warning", message=why)
     if not shared[0]:
-        return 0
+        return 0, EvalState()
     with _phase(probe, "load"):
         tensors = CheckpointTensors(shared[0])
         step = tensors.manifest.step
+        if base is not None:
+            check_base_model(tensors.manifest, base)
         load_engine_state(engine, tensors, step)
         del tensors
+    state_file = Path(shared[0]) / TRAINER_STATE
+    saved = json.loads(state_file.read_text()).get("eval", {}) if state_file.is_file() else {}
     emit("resumed", step=step, checkpoint=shared[0])
-    return step
+    return step, EvalState(**saved)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

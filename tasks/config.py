@@ -37,6 +37,7 @@ from neuron_parallel.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
+    check_eval,
 )
 from neuron_parallel.planning.layout import CheckedLayout, check_layout
 from neuron_parallel.planning.resolve import DEVICE_HARDWARE, ResolvedLayout, check_pinned, resolve_layout
@@ -157,7 +158,8 @@ class FinetuneConfig(_Section):
         self.library("model")
         self.library("data")
         self.to_launch()
-        self.library("train", micro_batch_size=1)  # an auto micro batch is chosen (and checked) with the layout
+        # An auto micro batch is chosen (and checked) with the layout.
+        check_eval(self.library("data"), self.library("train", micro_batch_size=1))
         check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
         if set(FIXABLE) <= set(self.pinned()):  # everything pinned: the batch rule is checkable now
             self.to_job(model_path="", dataset_path="", layout=self.resolve(""))
@@ -214,18 +216,34 @@ class FinetuneConfig(_Section):
             layer_split=self.parallel.layer_split,
         )
 
-    def to_job(self, *, model_path: str, dataset_path: str, layout: ResolvedLayout | CheckedLayout) -> JobConfig:
+    def to_job(
+        self,
+        *,
+        model_path: str,
+        dataset_path: str,
+        layout: ResolvedLayout | CheckedLayout,
+        eval_dataset_path: str | None = None,
+    ) -> JobConfig:
         """The library's view of this run, given the resolved model and dataset locations and the
         layout (``resolve``, or ``plan_layout``'s checked one)."""
         return JobConfig(
             model_path=model_path,
             dataset_path=dataset_path,
+            eval_dataset_path=eval_dataset_path,
             output_dir=self.output.dir,
-            data=self.library("data"),
+            data=self._job_data(),
             parallel=layout.parallel,
             train=self.library("train", micro_batch_size=layout.micro_batch_size),
             launch=self.to_launch(),
         )
+
+    def _job_data(self) -> DataConfig:
+        """The data section as the ranks get it: a chat template path made absolute, since the
+        ranks (on other nodes too) load the job from their own working directory."""
+        data = self.library("data")
+        if data.chat_template:
+            data = dataclasses.replace(data, chat_template=str(Path(data.chat_template).expanduser().resolve()))
+        return data
 
     def to_launch(self) -> LaunchConfig:
         # On Kubernetes the first pod's stable name comes from the environment (deployments/trn2).

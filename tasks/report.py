@@ -24,7 +24,12 @@ def loss_curve_png(metrics: list[dict]) -> bytes:
 
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=90)
-    ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", lw=1.5)
+    ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", lw=1.5, label="train")
+    evals = [m for m in metrics if "eval_loss" in m]
+    if evals:
+        eval_steps = [m["step"] for m in evals]
+        ax.plot(eval_steps, [m["eval_loss"] for m in evals], "o-", color="tab:green", lw=1.5, label="eval")
+        ax.legend(loc="upper center", frameon=False)
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     ax.grid(alpha=0.3)
@@ -63,6 +68,7 @@ def summary_markdown(
         "|---|---|",
         f"| steps | {result.final_step}{resumed} |",
         f"| loss | {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} (step {last['step']}) |",
+        *eval_rows(metrics),
         f"| tokens seen | {last.get('tokens_seen', 0):,} |",
         f"| throughput (last step) | {last.get('tokens_per_s', 0):,.0f} tokens/s |",
         f"| layout | dp={pc.dp} tp={pc.tp} pp={pc.pp}{' zero-1' * pc.zero_1}{' sp' * pc.sequence_parallel}, "
@@ -74,6 +80,19 @@ def summary_markdown(
         f"| Hub | {hub} |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def eval_rows(metrics: list[dict]) -> list[str]:
+    """The summary's eval lines: the first and last eval loss, and the best."""
+    evals = [m for m in metrics if "eval_loss" in m]
+    if not evals:
+        return ["| eval loss | no eval data (set data.eval_fraction, data.eval_split or data.eval_source) |"]
+    first, last = evals[0], evals[-1]
+    best = min(evals, key=lambda m: m["eval_loss"])
+    return [
+        f"| eval loss | {first['eval_loss']:.4f} (step {first['step']}) → {last['eval_loss']:.4f} "
+        f"(step {last['step']}); best {best['eval_loss']:.4f} (step {best['step']}) |"
+    ]
 
 
 @task(name="report", **STEP_POLICY)

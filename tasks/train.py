@@ -19,7 +19,9 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayo
     """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
     log = get_run_logger()
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    job = config.to_job(model_path=model_dir, dataset_path=dataset.path, layout=layout)
+    job = config.to_job(
+        model_path=model_dir, dataset_path=dataset.path, eval_dataset_path=dataset.eval_path, layout=layout
+    )
     progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
 
     def on_event(event: dict) -> None:
@@ -34,6 +36,10 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayo
                 event["lr"],
                 event["tokens_per_s"],
             )
+        elif kind == "eval":
+            log.info("step %d eval loss %.4f (%d tokens)", event["step"], event["eval_loss"], event["eval_tokens"])
+        elif kind == "early_stop":
+            log.info("early stop at step %d: %s", event["step"], event["reason"])
         elif kind == "resumed":
             log.info("resumed from step %d (%s)", event["step"], event["checkpoint"])
         elif kind == "memory":

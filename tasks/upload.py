@@ -29,6 +29,7 @@ def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: 
     summary = {
         "steps": result.final_step,
         "final loss": round(metrics.get("loss", float("nan")), 4),
+        **({"eval loss": round(metrics["eval_loss"], 4)} if "eval_loss" in metrics else {}),
         "layout": f"dp={layout.parallel.dp} tp={layout.parallel.tp} pp={layout.parallel.pp}"
         + " zero1" * layout.parallel.zero_1,
         "tokens seen": metrics.get("tokens_seen"),

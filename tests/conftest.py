@@ -54,6 +54,7 @@ def write_job(
     parallel: dict | None = None,
     train: dict | None = None,
     grad_accum: int = 1,
+    eval_dataset: str | None = None,
 ) -> Path:
     """A job.json for ``python -m neuron_parallel.train``: dp derived from ``world``; unless
     ``train`` sets ``global_batch_size``, it is micro_batch_size × dp × ``grad_accum``."""
@@ -65,6 +66,7 @@ def write_job(
     job = JobConfig(
         model_path=model,
         dataset_path=dataset,
+        eval_dataset_path=eval_dataset,
         output_dir=str(run_dir),
         data=DataConfig(block_size=block_size),
         parallel=par,

@@ -14,12 +14,17 @@ Loading reads, on every rank, exactly the slices it now holds, whatever layout w
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from pathlib import Path
+
 import torch
 
 from ..models.causal_lm import load_weights
 from ..optim import STATE_KEYS
 from ..parallel.dtensor import local_view
 from ..parallel.zero import Zero1Optimizer
+from ..utils import sha256_file
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -58,11 +63,40 @@ def optim_tensors(engine, dp_rank: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if _stored(engine, k)}
 
 
+def base_model_identity(model_path: str | Path) -> dict:
+    """What a LoRA checkpoint records of its frozen base: the model's path or name and a digest
+    of its weight files' contents (checked when the run resumes)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return {"name_or_path": str(model_path), "sha256": h.hexdigest()}
+
+
+def adapter_meta(engine, base: dict) -> dict | None:
+    """The manifest's ``adapter`` entry of a LoRA engine (None for full fine-tuning)."""
+    if engine.lora is None:
+        return None
+    return {"lora": dataclasses.asdict(engine.lora), "base_model": base}
+
+
+def check_base_model(manifest, base: dict) -> None:
+    """Refuse to resume a LoRA checkpoint on another base model than the one it was trained on."""
+    saved = (manifest.adapter or {}).get("base_model")
+    if saved and saved["sha256"] != base["sha256"]:
+        raise ValueError(
+            f"the checkpoint's adapters were trained on the base model {saved['name_or_path']} (weights sha256 "
+            f"{saved['sha256'][:12]}…) but model.name_or_path {base['name_or_path']} holds other weights "
+            f"({base['sha256'][:12]}…); point model.name_or_path at the original base, or start a new run"
+        )
+
+
 def load_engine_state(engine, tensors, step: int) -> None:
     """Restore ``engine``'s parameters and optimizer state from ``CheckpointTensors`` written
-    at optimizer step ``step``."""
+    at optimizer step ``step``. Under LoRA only the trainable tensors come from the checkpoint;
+    the frozen base stays as loaded from the base model."""
+    trainable = {name for name, _ in engine.named_parameters()}
     for part in engine.parts:
-        load_weights(part, tensors, tied=engine.tied)
+        load_weights(part, tensors, tied=engine.tied, skip=lambda name: name not in trainable)
 
     def read(key: str, like: torch.Tensor) -> torch.Tensor | None:
         key = _source_name(engine, key)

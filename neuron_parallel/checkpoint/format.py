@@ -87,6 +87,10 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    adapter: dict[str, Any] | None = None
+    """LoRA checkpoints only: ``{"lora": <LoraConfig fields>, "base_model": {"name_or_path",
+    "sha256"}}``; the model tensors are then the adapters (``<layer>.lora_A`` r × in,
+    ``<layer>.lora_B`` out × r) and ``modules_to_save``, and the frozen base is the model named."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -116,6 +120,7 @@ class Manifest:
             tensors=tensors,
             format=raw["format"],
             format_version=raw["format_version"],
+            adapter=raw.get("adapter"),
         )
 
 

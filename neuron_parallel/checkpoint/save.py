@@ -111,6 +111,7 @@ class CheckpointWriter:
         optim: dict[str, torch.Tensor],
         parallel: Any,
         trainer_state: dict[str, Any],
+        adapter: dict[str, Any] | None = None,
     ) -> Path:
         """Save checkpoint ``step`` (a collective). ``model`` maps Hugging Face names to this
         rank's parameters, stored by dp rank 0; ``optim`` maps ``<name>.<state>`` to the optimizer
@@ -127,7 +128,11 @@ class CheckpointWriter:
         if dp == 0:
             staged.append((model_file(tp, pp), *_stage(model, tp, model_file(tp, pp), "model")))
         staged.append((optim_file(tp, pp, dp), *_stage(optim, tp, optim_file(tp, pp, dp), "optim")))
-        meta = {"parallel": parallel if isinstance(parallel, dict) else asdict(parallel), "state": trainer_state}
+        meta = {
+            "parallel": parallel if isinstance(parallel, dict) else asdict(parallel),
+            "state": trainer_state,
+            "adapter": adapter,
+        }
         args = (step, tmp, final, staged, meta)
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=args, name=f"checkpoint-{step}", daemon=True)
@@ -203,6 +208,7 @@ class CheckpointWriter:
             model_config=json.loads((self.model_dir / "config.json").read_text()),
             files=dict(sorted(files.items())),
             tensors=dict(sorted(tensors.items())),
+            adapter=meta["adapter"],
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
         _fsync(tmp / MANIFEST)

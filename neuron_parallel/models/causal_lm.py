@@ -76,6 +76,12 @@ class CausalLMStage(nn.Module):
     and hidden states arriving between stages hold ``1 / sequence_shards`` of each sequence.
     ``sequence_shards`` is fixed when the stage is sharded (tp under sequence parallelism, set
     by :func:`neuron_parallel.parallel.tensor.apply_tensor_parallel`; 1 otherwise).
+
+    Rows packed from several documents come with ``positions`` (batch, seq_len): position ids
+    that restart at 0 where each document begins. Rotary positions follow them, and attention
+    is causal within a document and never crosses into another (:func:`document_causal_mask`).
+    A stage other than the last then returns ``(hidden, positions)``, so the positions travel
+    with each pipeline microbatch to the next stage as its second input.
     """
 
     def __init__(self, full: nn.Module, layer_ids: range, *, first: bool, last: bool, recompute_every: int = 0):
@@ -95,25 +101,44 @@ class CausalLMStage(nn.Module):
         """The whole sequence length of this stage's input ``x`` (ids or hidden states)."""
         return x.shape[1] if self.first else x.shape[1] * self.sequence_shards
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        seq_len = seq_len or self.full_seq_len(x)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.model.embed_tokens(x) if self.first else x
         local_h = local(h)
-        positions = torch.arange(seq_len, device=local_h.device).unsqueeze(0)
-        rope = self.model.rotary_emb(local_h, positions)
+        if positions is None:
+            seq_len = seq_len or self.full_seq_len(x)
+            position_ids, mask = torch.arange(seq_len, device=local_h.device).unsqueeze(0), None
+        else:
+            position_ids, mask = positions, document_causal_mask(positions)
+        rope = self.model.rotary_emb(local_h, position_ids)
         for i, layer in enumerate(self.model.layers.values()):
             if self.training and self.recompute_every and i % self.recompute_every == 0:
-                h = checkpoint(layer, h, None, positions, None, False, rope, use_reentrant=False)
+                h = checkpoint(layer, h, mask, position_ids, None, False, rope, use_reentrant=False)
             else:
-                h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+                h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
         if self.last:
-            h = self.lm_head(self.model.norm(h))
-        return h
+            return self.lm_head(self.model.norm(h))
+        return h if positions is None else (h, positions)
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The boolean attention mask ``(batch, 1, seq, seq)`` of rows packed from documents: query
+    ``i`` sees key ``j`` when ``j <= i`` and both lie in the same document, a document starting
+    wherever the position id is 0. An explicit mask for scaled-dot-product attention runs on
+    every device (cpu, cuda, neuron); variable-length kernels do not."""
+    doc = (positions == 0).cumsum(-1)
+    seq = positions.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return ((doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every position, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    """The SUM of next-token cross entropy over the positions with a label (``labels`` is
+    ``IGNORE_INDEX`` = -100 elsewhere), in fp32. The caller divides by the number of labelled
+    positions of the whole global batch (see ``neuron_parallel.train.LOSS_RULE``): a mean per
+    micro-batch would weigh a token by how many others share its micro-batch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum")
 
 
 def materialize(stage: CausalLMStage, device: torch.device) -> None:
@@ -132,11 +157,14 @@ def materialize(stage: CausalLMStage, device: torch.device) -> None:
     stage.model.rotary_emb = type(rotary)(config=stage.config).to(device)
 
 
-def load_weights(stage: nn.Module, source, *, tied: bool) -> None:
+def load_weights(stage: nn.Module, source, *, tied: bool, skip=None) -> None:
     """Copy every parameter's local slice from ``source`` (``HFWeights`` or
-    ``CheckpointTensors``), reading only the slice each rank holds."""
+    ``CheckpointTensors``), reading only the slice each rank holds; parameters whose name
+    ``skip(name)`` accepts are left as they are."""
     with torch.no_grad():
         for name, param in stage.named_parameters():
+            if skip is not None and skip(name):
+                continue
             local, gshape, offsets = local_view(param)
             key = name
             if name == "lm_head.weight" and tied and name not in source:

@@ -101,9 +101,11 @@ class PipelineRunner:
     """Wraps torch.distributed.pipelining PipelineStage(s) + schedule for this rank.
 
     ``stages`` are this rank's built modules (materialised, weights loaded, possibly TP-sharded)
-    and ``stage_ids`` their global indices. ``loss_fn(logits, labels)`` returns the mean loss of
-    one microbatch. ``loss_scale`` (an attribute, settable between calls) multiplies the loss
-    used for backward, e.g. ``1 / grad_accum`` when several ``step`` calls make one optimizer step.
+    and ``stage_ids`` their global indices. ``loss_fn(logits, labels)`` returns the loss of one
+    microbatch (:func:`~neuron_parallel.models.causal_lm.causal_lm_loss`: a sum over its
+    labelled tokens). ``loss_scale`` (an attribute, settable between calls) multiplies the loss
+    used for backward, e.g. ``1 / labelled tokens of the global batch``; ``step`` returns the
+    unscaled sum over the microbatches.
     """
 
     def __init__(
@@ -150,19 +152,23 @@ class PipelineRunner:
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Called on the last stage once per microbatch. The value returned is the unscaled
         # microbatch loss (the schedule hands it back through ``losses=``); only its gradient
-        # is scaled. Equal microbatches: the batch mean is the mean of the microbatch means.
-        return _ScaleGrad.apply(self.loss_fn(output, target), self.loss_scale / self.num_microbatches)
+        # is scaled.
+        return _ScaleGrad.apply(self.loss_fn(output, target), self.loss_scale)
 
-    def step(self, inputs: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor | None, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and backward of one batch, split into ``num_microbatches``; gradients
-        accumulate into the stage parameters (zero them yourself). Returns the batch's mean loss
-        (unscaled, detached, fp32), identical on every pp rank.
+        accumulate into the stage parameters (zero them yourself). Returns the sum of the
+        microbatch losses (unscaled, detached, fp32), identical on every pp rank.
 
         ``inputs`` (token ids) are needed only where the first stage lives; ``labels`` give the
-        targets on the last stage (every rank passes them, for the shape check). Stages find
-        the full sequence length for rotary positions from their input (see
-        :class:`~neuron_parallel.models.causal_lm.CausalLMStage`). The batch shape must stay
-        the same across calls: receive buffers are sized on the first call.
+        targets on the last stage (every rank passes them, for the shape check). ``positions``
+        (document-packed rows) go with the inputs to the first stage, and each stage hands them
+        on with its activations. Otherwise stages find the full sequence length for rotary
+        positions from their input (see :class:`~neuron_parallel.models.causal_lm.CausalLMStage`).
+        The batch shape must stay the same across calls: receive buffers are sized on the
+        first call.
 
         Collectives: the schedule's send/recv between neighbouring stages on ``pp_group``
         (plus object send/recv for shape inference on the first call), then one all-reduce
@@ -185,12 +191,17 @@ class PipelineRunner:
         if self.has_first and inputs is None:
             raise ValueError("this rank holds the first pipeline stage and needs the input ids")
         target = labels.to(self.device) if self.has_last else None
-        args = (inputs.to(self.device),) if self.has_first else ()
+        args = ()
+        if self.has_first:
+            args = (inputs.to(self.device),) + ((positions.to(self.device),) if positions is not None else ())
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if torch.is_grad_enabled():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:  # forward only (evaluation)
+            self.schedule.eval(*args, target=target, losses=losses)
 
         if self.has_last:
-            loss = torch.stack([full(mb.detach()).float() for mb in losses]).mean()
+            loss = torch.stack([full(mb.detach()).float() for mb in losses]).sum()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         # Only the last stage's rank holds the loss; a sum over pp hands it to every rank.

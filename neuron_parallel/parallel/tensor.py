@@ -43,6 +43,7 @@ from ..models.causal_lm import CausalLMStage
 from ..planning.layout import check_tp
 from ..planning.memory import ModelShape
 from .dtensor import align_grad
+from .lora import LoRAColwise, LoRALinear, LoRARowwise
 
 
 def kv_size_multiplier(num_kv_heads: int, tp: int) -> int:
@@ -105,7 +106,7 @@ def apply_tensor_parallel(
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     m = kv_size_multiplier(kv_heads, tp)
-    kv_style: ParallelStyle = ColwiseParallel()
+    kv_style: ParallelStyle | None = None  # None: column-parallel like q_proj
     if m > 1:
         kv_style = _ReplicatedKVColwise(_kv_mesh(tp_mesh, kv_heads, m))
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -140,7 +141,15 @@ def apply_tensor_parallel(
     return stage
 
 
-def _layer_plan(layer: nn.Module, seq, norm_style, kv_style: ParallelStyle) -> dict[str, ParallelStyle]:
+def _colwise(linear: nn.Module) -> ParallelStyle:
+    return LoRAColwise() if isinstance(linear, LoRALinear) else ColwiseParallel()
+
+
+def _rowwise(linear: nn.Module, seq) -> ParallelStyle:
+    return (LoRARowwise if isinstance(linear, LoRALinear) else RowwiseParallel)(output_layouts=seq)
+
+
+def _layer_plan(layer: nn.Module, seq, norm_style, kv_style: ParallelStyle | None) -> dict[str, ParallelStyle]:
     """The TP plan of one decoder layer; ``seq`` is the layout of activations between blocks."""
     plan: dict[str, ParallelStyle] = {
         "input_layernorm": norm_style(),
@@ -148,15 +157,15 @@ def _layer_plan(layer: nn.Module, seq, norm_style, kv_style: ParallelStyle) -> d
             input_kwarg_layouts={"hidden_states": seq},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         ),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": kv_style,
-        "self_attn.v_proj": kv_style,
-        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "self_attn.q_proj": _colwise(layer.self_attn.q_proj),
+        "self_attn.k_proj": kv_style if kv_style is not None else _colwise(layer.self_attn.k_proj),
+        "self_attn.v_proj": kv_style if kv_style is not None else _colwise(layer.self_attn.v_proj),
+        "self_attn.o_proj": _rowwise(layer.self_attn.o_proj, seq),
         "post_attention_layernorm": norm_style(),
         "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        "mlp.gate_proj": _colwise(layer.mlp.gate_proj),
+        "mlp.up_proj": _colwise(layer.mlp.up_proj),
+        "mlp.down_proj": _rowwise(layer.mlp.down_proj, seq),
     }
     # Qwen3's per-head RMSNorm sees (batch, seq, local heads, head_dim): treat it as sharded
     # on the heads dim so its replicated weight gets a Partial grad summed over tp.
@@ -188,7 +197,8 @@ def _kv_mesh(tp_mesh: DeviceMesh, kv_heads: int, m: int) -> DeviceMesh:
 def _check_seq_len(stage: CausalLMStage, args, kwargs) -> None:
     """Refuse a sequence that does not split over the tp ranks, before any collective."""
     tp = stage.sequence_shards
-    seq_len = kwargs.get("seq_len") or (args[1] if len(args) > 1 else None) or stage.full_seq_len(args[0])
+    positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+    seq_len = kwargs.get("seq_len") or (positions.shape[-1] if positions is not None else stage.full_seq_len(args[0]))
     if seq_len % tp:
         raise ValueError(
             f"sequence parallelism shards the sequence over tp={tp} ranks, but seq_len={seq_len} "
@@ -256,7 +266,15 @@ class _KVReplicaLinear(nn.Linear):
         grads = [Shard(0), Partial()]
         weight = self.weight.to_local(grad_placements=grads)
         bias = self.bias.to_local(grad_placements=grads) if self.bias is not None else None
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        if getattr(self, "lora_A", None) is None:
+            return out
+        # The adapter of a replicated KV head (neuron_parallel.parallel.lora): B is laid out like
+        # the weight, A replicated; A's gradient is a share of a sum over every tp rank.
+        a = self.lora_A.to_local(grad_placements=[Partial(), Partial()])
+        b = self.lora_B.to_local(grad_placements=grads)
+        z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + F.linear(F.linear(z, a), b) * self.lora_scale
 
 
 class _ReplicatedKVColwise(ParallelStyle):
@@ -266,13 +284,14 @@ class _ReplicatedKVColwise(ParallelStyle):
         self.kv_mesh = kv_mesh
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module) is not nn.Linear:
+        if type(module) not in (nn.Linear, LoRALinear):
             raise ValueError(
                 f"KV-head replication needs nn.Linear k/v projections, got {type(module).__name__}; "
                 "use tp <= num_key_value_heads for this model"
             )
         for name, p in list(module.named_parameters(recurse=False)):
-            dp = distribute_tensor(p, self.kv_mesh, [Shard(0), Replicate()], src_data_rank=None)
+            place = [Replicate(), Replicate()] if name == "lora_A" else [Shard(0), Replicate()]
+            dp = distribute_tensor(p, self.kv_mesh, place, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dp, requires_grad=p.requires_grad))
         module.__class__ = _KVReplicaLinear  # same state, forward on local shards
         module.tp_mesh = device_mesh

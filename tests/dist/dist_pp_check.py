@@ -57,6 +57,11 @@ def tiny_config(tied: bool) -> LlamaConfig:
     )
 
 
+def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy of one (micro)batch: every position has a label here."""
+    return causal_lm_loss(logits, labels) / labels.numel()
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -145,8 +150,8 @@ def run_case(args: argparse.Namespace) -> dict:
         device=torch.device("cpu"),
         schedule=args.schedule,
         num_microbatches=args.mb,
-        loss_fn=causal_lm_loss,
-        loss_scale=1.0 / args.accum,
+        loss_fn=mean_loss,
+        loss_scale=1.0 / (args.accum * args.mb),
     )
     params = {id(p): p for s in stages for p in s.parameters()}
     opt = torch.optim.SGD(params.values(), lr=LR)
@@ -156,7 +161,7 @@ def run_case(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     for step in range(args.steps):
         inputs, labels = batch(step)
-        ref_loss = causal_lm_loss(ref(input_ids=inputs).logits, labels)
+        ref_loss = mean_loss(ref(input_ids=inputs).logits, labels)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
@@ -166,7 +171,7 @@ def run_case(args: argparse.Namespace) -> dict:
             sl = slice(a * per, (a + 1) * per)
             with loss_parallel() if args.loss_parallel else contextlib.nullcontext():
                 total += runner.step(inputs[sl], labels[sl]).item()
-        loss = total / args.accum
+        loss = total / (args.accum * args.mb)  # the sum over equal microbatches of their means
         if args.tied:
             sum_tied_embedding_grads(stages, group)
         opt.step()

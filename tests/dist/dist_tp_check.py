@@ -121,7 +121,7 @@ def train(stage, vocab, *, lp=False):
     for step in range(STEPS):
         inputs, labels = batch(step, vocab)
         with loss_parallel() if lp else contextlib.nullcontext():
-            loss = causal_lm_loss(stage(inputs), labels)
+            loss = causal_lm_loss(stage(inputs), labels) / labels.numel()
             loss.backward()
         align_grad_placements(stage.parameters())
         if step == 0:

@@ -108,6 +108,8 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     assert "checkpoint-4" in summary and str(consolidated) in summary
     assert (tmp_path / "run" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert arts["plan"].type == "table" and "tp=1 pp=1 dp=2" in str(arts["plan"].data)
+    assert arts["data-audit"].type == "table" and "trained_fraction" in str(arts["data-audit"].data)
+    assert arts["data-sample"].type == "markdown"
 
 
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):

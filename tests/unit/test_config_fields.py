@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from neuron_flows.tasks.config import DERIVED, SECTIONS, FinetuneConfig
+from neuron_parallel.config import LoraConfig
+from neuron_parallel.tiny import TEMPLATES
 
 BASE = {"launch": {"nproc_per_node": 4}}
 """Four ranks, so that tp=2 or pp=2 divide the world."""
@@ -22,6 +24,19 @@ SAMPLES = {
     "data.config": "wikitext-2-raw-v1",
     "data.block_size": 256,
     "data.cache_dir": "/tmp/ds-cache",
+    "data.format": "chat",
+    "data.messages_field": "conversations",
+    "data.prompt_field": "question",
+    "data.input_field": "context",
+    "data.response_field": "answer",
+    "data.chat_template": str(TEMPLATES / "chatml.jinja"),
+    "data.train_on_prompt": True,
+    "data.packing": False,
+    "data.weights": [2.0, 1.0],
+    "data.seed": 3,
+    "data.eval_source": "eval.jsonl",
+    "data.eval_split": "validation",
+    "data.eval_fraction": 0.1,
     "parallel.tp": 2,
     "parallel.pp": 2,
     "parallel.zero_1": True,
@@ -48,6 +63,9 @@ SAMPLES = {
     "train.max_grad_norm": 0.5,
     "train.optimizer": "sgd",
     "train.log_every": 3,
+    "train.eval_every": 5,
+    "train.lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+    "train.early_stopping_patience": 3,
     "train.resume_from": "/runs/earlier",
     "train.profile_memory": True,
     "launch.device": "cuda",
@@ -64,6 +82,12 @@ NEEDS = {
     "parallel.virtual_stages": {"parallel.pipeline_schedule": "interleaved_1f1b"},
     "parallel.layer_split": {"parallel.pp": 2},
     "launch.nnodes": {"launch.rdzv_endpoint": "node-0:29400"},
+    "data.prompt_field": {"data.format": "instruction"},
+    "data.input_field": {"data.format": "instruction"},
+    "data.response_field": {"data.format": "instruction"},
+    "data.weights": {"data.source": ["a.jsonl", "b.parquet"]},
+    "train.eval_every": {"data.eval_fraction": 0.1},
+    "train.early_stopping_patience": {"train.eval_every": 5, "data.eval_fraction": 0.1},
 }
 """Fields whose sample is valid only together with another value."""
 
@@ -93,6 +117,8 @@ def _value(config: FinetuneConfig, key: str):
 
 def _expected(key: str):
     value = SAMPLES[key]
+    if key == "train.lora":
+        return LoraConfig(**value)
     return tuple(value) if key == "train.betas" else value
 
 

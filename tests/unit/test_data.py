@@ -1,4 +1,4 @@
-"""Tokenization, packing, fingerprints and the deterministic read order."""
+"""Loading text sources, the stream of rows, fingerprints and dataset folders."""
 
 import json
 
@@ -6,20 +6,28 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from neuron_parallel.data import BlockStream, tokenize_dataset
+from neuron_parallel.data import tokenize_dataset
 
 
-def test_packing_concatenates_documents_with_eos(tiny_world, tmp_path):
+def test_stream_concatenates_documents_with_eos_as_before(tiny_world, tmp_path):
+    """Format text with packing unset is the stream: rows of block_size + 1 tokens of the
+    concatenated documents, stored as inputs row[:-1] and labels row[1:], no position_ids."""
     docs = ["alpha beta gamma " * 5, "delta epsilon", "zeta eta theta iota " * 7]
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     ds = tokenize_dataset(source=str(src), tokenizer_dir=tiny_world["model"], block_size=8, cache_dir=tmp_path / "c")
     tok = AutoTokenizer.from_pretrained(tiny_world["model"])
     stream = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
-    rows = load_from_disk(ds.path)["input_ids"]
+    rows = load_from_disk(ds.path)
+    assert rows.column_names == ["input_ids", "labels"] and ds.attention == "causal" and ds.eval_path is None
+    assert rows.features["input_ids"].feature.dtype == rows.features["labels"].feature.dtype == "int32"
+    inputs, labels = rows["input_ids"], rows["labels"]
     assert ds.num_tokens == len(stream)
     assert ds.num_blocks == len(stream) // 9 == len(rows)
-    assert [int(t) for row in rows for t in row] == stream[: 9 * len(rows)]
+    assert [int(t) for x, y in zip(inputs, labels) for t in list(x) + [y[-1]]] == stream[: 9 * len(rows)]
+    assert all(list(x[1:]) == list(y[:-1]) for x, y in zip(inputs, labels))
+    assert ds.audit["packing"] == "stream" and ds.audit["fill"] == 1.0 and ds.audit["trained_fraction"] == 1.0
+    assert ds.audit["sample"]["text"] == tok.decode(inputs[0])[:500] and ds.audit["sample"]["masked_spans"] == []
 
 
 def test_fingerprint_reuse_and_change(tiny_world, tmp_path):
@@ -62,18 +70,6 @@ def test_bad_sources_are_named(tiny_world, tmp_path):
             cache_dir=tmp_path,
             text_field="body",
         )
-
-
-def test_block_stream_is_a_seeded_permutation_per_epoch(tiny_dataset):
-    s = BlockStream(tiny_dataset.path, seed=3)
-    n = s.num_blocks
-    first = s.indices(0, n)
-    assert sorted(first) == list(range(n))
-    assert s.indices(n, n) != first and sorted(s.indices(n, n)) == list(range(n))
-    assert BlockStream(tiny_dataset.path, seed=3).indices(5, 7) == first[5:12]
-    x, y = s.batch(0, 2)
-    assert x.shape == y.shape == (2, tiny_dataset.block_size)
-    assert (x[:, 1:] == y[:, :-1]).all()
 
 
 def _hub_like_folder(root):
@@ -136,3 +132,52 @@ def test_dataset_folder_refusals_name_the_configs_and_splits(tiny_world, tmp_pat
             config="wikitext-2-raw-v1",
         )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())  # nothing written when refused
+
+
+def test_fingerprint_covers_every_setting_and_the_template_and_tokenizer_content(tiny_world, tmp_path):
+    import shutil
+
+    from neuron_parallel.config import DataConfig
+    from neuron_parallel.data import dataset_fingerprint
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    base = dict(source=tiny_world["chat"], format="chat", chat_template=str(template))
+
+    def fp(tokenizer=tiny_world["model"], **kw):
+        return dataset_fingerprint(DataConfig(**{**base, **kw}), tokenizer)
+
+    first = fp()
+    changed = [
+        fp(train_on_prompt=True),
+        fp(packing=False),
+        fp(seed=1),
+        fp(eval_fraction=0.1),
+        fp(eval_source=tiny_world["corpus"]),
+        fp(messages_field="conversation"),
+        fp(block_size=64),
+        fp(source=[tiny_world["chat"], tiny_world["corpus"]], weights=[1.0, 1.0]),
+        fp(source=[tiny_world["chat"], tiny_world["corpus"]], weights=[2.0, 1.0]),
+    ]
+    assert len({first, *changed}) == len(changed) + 1
+    assert fp(cache_dir=str(tmp_path / "elsewhere")) == first
+    same = tmp_path / "same.jinja"
+    same.write_text(template.read_text())
+    assert fp(chat_template=str(same)) == first  # the template's content counts, not its path
+    template.write_text(template.read_text() + "\n")
+    assert fp() != first
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_world["model"], tokenizer)
+    before = fp(tokenizer)
+    (tokenizer / "chat_template.jinja").write_text("{{ messages }}")
+    assert fp(tokenizer) != before
+
+
+def test_a_tokenized_dataset_pickles_and_reloads_equal(tiny_world, tmp_path):
+    import pickle
+
+    kw = dict(source=tiny_world["chat"], tokenizer_dir=tiny_world["qwen2"], block_size=128, cache_dir=tmp_path)
+    ds = tokenize_dataset(format="chat", eval_fraction=0.1, **kw)
+    assert pickle.loads(pickle.dumps(ds)) == ds == tokenize_dataset(format="chat", eval_fraction=0.1, **kw)
+    assert json.loads((tmp_path / ds.fingerprint / "neuron_flows_dataset.json").read_text())["audit"] == ds.audit
+    assert ds.path.endswith("/train") and ds.eval_path.endswith("/eval") and ds.attention == "document"

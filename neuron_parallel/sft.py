@@ -1,0 +1,210 @@
+"""How each example of chat, instruction and prompt/completion data becomes tokens, and which of
+them carry loss.
+
+Every example is rendered to one string plus the character spans that are trained; the string is
+tokenized once (``add_special_tokens=False``, with offsets) and a token is trained when
+``data.train_on_prompt`` is set or its first character lies in a trained span. Formats:
+
+- ``chat``: ``tokenizer.apply_chat_template`` with ``data.chat_template``'s text, or else the
+  tokenizer's own. Assistant turn k spans from the end of the rendering of the turns before it with
+  the generation prompt to the end of the rendering up to and including it, so every assistant
+  turn of a multi-turn conversation is trained (its end marker included) and every system, user
+  and tool turn is masked. A template for which those renderings are not prefixes of one another
+  is refused.
+- ``instruction``: with a chat template (``data.chat_template`` or the tokenizer's), a two-turn
+  chat: user = instruction, plus two newlines and the input when it is not empty; assistant =
+  response. Without one, the plain prompt ``### Instruction:\\n{instruction}\\n\\n### Input:\\n
+  {input}\\n\\n### Response:\\n`` (no Input section when the input is empty), then the response
+  and EOS; loss on the response and EOS.
+- ``prompt_completion``: prompt + completion + EOS; loss on the completion and EOS.
+- ``text``: each document + EOS, every token trained.
+
+Over-long examples (applied when rows are built, ``neuron_parallel.packing``): an example longer
+than ``data.block_size`` is truncated to it (the tail is dropped) and counted as truncated; an
+example then left with no token to predict is dropped and counted as dropped. In document mode a
+text document longer than a row is instead cut into ``block_size`` pieces, each its own document.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import DataConfig
+
+ROLES = ("system", "user", "assistant", "tool")
+ALPACA = ("instruction", "input", "output")
+DOLLY = ("instruction", "context", "response")
+
+
+def chat_template(data: DataConfig, tokenizer) -> str | None:
+    """The chat template in use: ``data.chat_template``'s text, else the tokenizer's, else None."""
+    if data.chat_template is not None:
+        return Path(data.chat_template).expanduser().read_text()
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # named templates: the default one renders conversations
+        own = own.get("default")
+    return own or None
+
+
+def resolve_columns(data: DataConfig, columns: list[str], where: str) -> dict[str, str | None]:
+    """The columns each format reads, by role (``text``, ``messages``, ``prompt``, ``input``,
+    ``response``), auto-detected where the config leaves them unset. Raises ValueError naming the
+    columns found and the field that picks another."""
+
+    def need(name: str | None, key: str, default: str) -> str:
+        if name not in columns:
+            raise ValueError(
+                f"data.format={data.format}: {where} has no {default} column {name!r}; columns: {columns}; "
+                f"set data.{key} to one of them"
+            )
+        return name
+
+    if data.format == "text":
+        if data.text_field not in columns:
+            raise ValueError(
+                f"data.text_field={data.text_field!r} is not a column of {where}; columns: {columns}"
+                "; set data.text_field (or data.format for chat or instruction data)"
+            )
+        return {"text": data.text_field}
+    if data.format == "chat":
+        return {"messages": need(data.messages_field, "messages_field", "messages")}
+    if data.format == "prompt_completion":
+        return {
+            "prompt": need(data.prompt_field or "prompt", "prompt_field", "prompt"),
+            "response": need(data.response_field or "completion", "response_field", "completion"),
+        }
+    response = data.response_field or next((c for c in (ALPACA[2], DOLLY[2]) if c in columns), "output")
+    context = data.input_field or next((c for c in (ALPACA[1], DOLLY[1]) if c in columns), None)
+    return {
+        "prompt": need(data.prompt_field or "instruction", "prompt_field", "instruction"),
+        "input": None if context is None else need(context, "input_field", "input"),
+        "response": need(response, "response_field", "response (output or response)"),
+    }
+
+
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """``messages`` as a list of ``{role, content}``, or a ValueError naming the row, the problem and
+    the fix."""
+    fix = "each row needs a non-empty list of {role, content} with a role in " + ", ".join(ROLES)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: the conversation is {'empty' if messages in ([], None) else 'not a list'}; {fix}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {j} is not a dict with a role and a string content ({m!r:.80}); {fix}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {j} has role {m['role']!r}; {fix}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+class Renderer:
+    """Renders one example of ``data.format`` to ``(text, trained character spans, append EOS)``."""
+
+    def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], template: str | None) -> None:
+        self.data, self.tokenizer, self.columns, self.template = data, tokenizer, columns, template
+        self.name = data.chat_template or f"the chat template of the tokenizer {tokenizer.name_or_path}"
+
+    def _render(self, messages: list[dict], where: str, generation: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=self.template, add_generation_prompt=generation
+            )
+        except Exception as e:  # a template's own refusal (raise_exception) or a Jinja error
+            raise ValueError(f"{where}: {self.name} cannot render this conversation: {e}") from None
+
+    def chat(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the span of every assistant turn (see the module docstring)."""
+        full = self._render(messages, where)
+        if self.data.train_on_prompt:
+            return full, [(0, len(full))]
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(messages[:k], where, generation=True)
+            upto = self._render(messages[: k + 1], where)
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise ValueError(
+                    f"{where}: {self.name} does not render a conversation as the concatenation of its turns (the "
+                    f"rendering of the first {k} messages plus the generation prompt is not a prefix of the rendering "
+                    f"of the first {k + 1}, or that of the whole), so the assistant turns cannot be located; use a "
+                    "template that does (neuron_parallel/chat_templates/), or set data.train_on_prompt: true"
+                )
+            spans.append((len(before), len(upto)))
+        return full, spans
+
+    def __call__(self, row: dict, where: str) -> tuple[str, list[tuple[int, int]], bool]:
+        c = self.columns
+        if self.data.format == "chat":
+            return (*self.chat(check_messages(row[c["messages"]], where), where), False)
+        prompt, response = _string(row, c["prompt"], where), _string(row, c["response"], where)
+        if self.data.format == "prompt_completion":
+            return prompt + response, [(0 if self.data.train_on_prompt else len(prompt), len(prompt + response))], True
+        context = _string(row, c["input"], where) if c["input"] else ""
+        if self.template is not None:
+            user = prompt + ("\n\n" + context if context else "")
+            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+            return (*self.chat(turns, where), False)
+        head = f"### Instruction:\n{prompt}\n\n" + (f"### Input:\n{context}\n\n" if context else "") + "### Response:\n"
+        return head + response, [(0 if self.data.train_on_prompt else len(head), len(head + response))], True
+
+
+def _string(row: dict, column: str, where: str) -> str:
+    value = row[column]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: column {column!r} holds {type(value).__name__}, not text; fix the data")
+    return value
+
+
+class Encoder:
+    """The batched ``datasets.map`` function of one source: ``{"ids", "trained"}`` per example
+    (``trained`` is 1 where the token carries loss as a target). Picklable for ``num_proc``."""
+
+    def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], where: str) -> None:
+        self.data, self.tokenizer, self.columns, self.where = data, tokenizer, columns, where
+        self.eos = tokenizer.eos_token_id
+        template = chat_template(data, tokenizer)
+        if data.format == "chat" and template is None:
+            raise ValueError(
+                f"data.format=chat needs a chat template, but the tokenizer in {tokenizer.name_or_path} has none; "
+                "set data.chat_template: path/to/template.jinja (e.g. neuron_parallel/chat_templates/chatml.jinja or "
+                "llama3.jinja, whichever matches the model's special tokens)"
+            )
+        if data.format != "text" and not tokenizer.is_fast:
+            raise ValueError(
+                f"data.format={data.format} needs a fast tokenizer (character offsets locate the trained tokens); "
+                f"the tokenizer in {tokenizer.name_or_path} is a slow one: save it with tokenizer.json"
+            )
+        self.render = Renderer(data, tokenizer, columns, template) if data.format != "text" else None
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        if self.render is None:
+            ids = self.tokenizer(batch[self.columns["text"]], add_special_tokens=False)["input_ids"]
+            return {"ids": [x + [self.eos] for x in ids], "trained": [[1] * (len(x) + 1) for x in ids]}
+        rows = [{k: batch[k][i] for k in batch} for i in range(len(indices))]
+        rendered = [self.render(row, f"{self.where} row {i}") for row, i in zip(rows, indices)]
+        enc = self.tokenizer([text for text, _, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        out_ids, out_trained = [], []
+        for (_, spans, eos), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+            trained = in_spans(np.asarray([s for s, _ in offsets], dtype=np.int64), spans)
+            if eos:
+                ids, trained = ids + [self.eos], np.append(trained, True)
+            out_ids.append(ids)
+            out_trained.append(trained.astype(np.int8).tolist())
+        return {"ids": out_ids, "trained": out_trained}
+
+
+def in_spans(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Whether each character offset in ``starts`` lies in one of the sorted, disjoint ``spans``."""
+    if not spans:
+        return np.zeros(len(starts), dtype=bool)
+    lo = np.asarray([s for s, _ in spans])
+    hi = np.asarray([e for _, e in spans])
+    k = np.searchsorted(lo, starts, side="right") - 1
+    return (k >= 0) & (starts < hi[np.maximum(k, 0)])
