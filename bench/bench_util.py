@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_monitor import CpuMonitor  # bench/ is the running script's own directory, first on sys.path
+from cpu_monitor import CpuMonitor  # bench/ is on sys.path (the running script's folder)
 
 from neuron_parallel.launch import RanksResult, run_ranks
 

@@ -13,10 +13,17 @@ finish. The same loop runs with
 
 from __future__ import annotations
 
+import os
+import sys
+
+# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
+# torch import): keep this script's folder, first on sys.path, behind the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

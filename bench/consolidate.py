@@ -21,13 +21,19 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
+# torch import): keep this script's folder, first on sys.path, behind the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-from consolidate_methods import MiB, child_main, proc_status  # noqa: E402  (bench/ is the script's own directory, first on sys.path)
+from consolidate_methods import MiB, child_main, proc_status  # bench/ is on sys.path
 from synthetic_checkpoint import PP, TP  # noqa: E402
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import resource
 import time
 from pathlib import Path
 
-from synthetic_checkpoint import (  # bench/ is the running script's own directory, first on sys.path
+from synthetic_checkpoint import (  # bench/ is on sys.path (the running script's folder)
     build_checkpoint,
     build_dcp,
     itemsize,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from bench_util import median  # bench/ is first on sys.path
+from bench_util import median  # bench/ is on sys.path
 
 # ~1B Llama: hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 5632, vocab 32000.
 MFU_SHAPE = dict(

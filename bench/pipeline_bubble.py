@@ -24,13 +24,19 @@ indicative only.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+
+# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
+# torch import): keep this script's folder, first on sys.path, behind the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import json
 import time
 from pathlib import Path
 
-from bench_util import median, run_ranks_child  # bench/ is first on sys.path
+from bench_util import median, run_ranks_child  # bench/ is on sys.path
 
 # Sleep-stage durations (forward, backward): the goal rows, and a finer grain shown for its
 # sensitivity to the fixed per-step overhead.

@@ -10,7 +10,9 @@ writer by a no-op (a save is not part of a training step's memory and the final 
 saves) and runs ``run_training(job)`` unchanged inside the measurement. Models are tiny-to-small Llama shapes
 from ``neuron_parallel.tiny.make_tiny_world`` (GQA, untied), data its pydoc corpus packed by
 ``neuron_parallel.data.tokenize_dataset``; fp32 on CPU with gloo; dp, tp, sp, pp (1F1B and
-GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode.
+GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode, and
+the ``-lora`` cases train LoRA adapters on the frozen model (``train.lora``), predicted with the
+same ``LoraConfig``.
 
 How memory is measured: ``neuron_parallel.memprof`` (c10's CPU allocator reports every tensor
 allocation and free to the profiler with a running total; counted in every thread; verified on a
@@ -32,16 +34,24 @@ per instance, for information.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
+
+# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
+# torch import): keep this script's folder, first on sys.path, behind the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import dataclasses  # noqa: E402
 
 from neuron_parallel.launch import print_rank_result, run_ranks  # noqa: E402
 from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method  # noqa: E402
@@ -50,7 +60,7 @@ from neuron_parallel.planning.memory import job_rank_memory  # noqa: E402
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 WIDE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2)
 SHAPES = {"small": dict(SMALL), "wide": dict(WIDE, vocab_size=4096)}
-# name: (shape, seq, world, parallel, micro_batch_size)
+# name: (shape, seq, world, parallel, micro_batch_size[, train.lora])
 CASES = {
     "small-1rank": ("small", 256, 1, dict(), 4),
     "small-recompute": ("small", 256, 1, dict(activation_checkpointing=1), 4),
@@ -66,10 +76,18 @@ CASES = {
     # the engine's bf16 mode (fp32 states, autocast), predicted as precision="bf16_autocast"
     "small-1rank-bf16": ("small", 256, 1, dict(mixed_precision="bf16"), 4),
     "small-tp2-sp-bf16": ("small", 256, 2, dict(tp=2, sequence_parallel=True, mixed_precision="bf16"), 4),
+    # LoRA on the frozen model: adapters on the 7 projections (and the lm_head trained in full)
+    "small-1rank-lora": ("small", 256, 1, dict(), 4, dict(r=8)),
+    "small-tp2-sp-lora": ("small", 256, 2, dict(tp=2, sequence_parallel=True), 4, dict(r=8)),
+    "small-pp2-1f1b-lora": ("small", 256, 2, dict(pp=2, num_microbatches=4), 4, dict(r=8)),
+    "small-dp2-zero1-lora-head": ("small", 256, 2, dict(zero_1=True), 4, dict(r=16, modules_to_save=["lm_head"])),
+    "wide-tp4-kvrep-lora": ("wide", 128, 4, dict(tp=4), 4, dict(r=8)),
+    "small-1rank-bf16-lora": ("small", 256, 1, dict(mixed_precision="bf16"), 4, dict(r=8)),
 }
 CASE_TIMEOUT_S = 1800
 """Wall-clock limit of one case's launch (the largest cases take a few minutes on 2 cores)."""
 QUICK = ["small-1rank", "small-dp2-zero1", "small-tp2-sp", "small-pp2-1f1b", "small-recompute", "wide-tp4-kvrep"]
+QUICK += ["small-tp2-sp-lora"]
 
 
 def _in_phase(fn, name: str):
@@ -113,11 +131,12 @@ def worker(job_path: str) -> None:
 
 
 def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
-    from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
+    from neuron_parallel.config import DataConfig, JobConfig, LoraConfig, ParallelConfig, TrainConfig
     from neuron_parallel.data import tokenize_dataset
     from neuron_parallel.planning.memory import ModelShape
 
-    shape_name, seq, world, parallel, mbs = CASES[name]
+    shape_name, seq, world, parallel, mbs, *lora = CASES[name]
+    lora = LoraConfig(**lora[0]) if lora else None
     paths = worlds[shape_name]
     ds = tokenize_dataset(
         source=paths["corpus"], tokenizer_dir=paths["model"], block_size=seq, cache_dir=work / "datasets"
@@ -133,7 +152,13 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
         parallel=pc,
         # one micro batch per dp rank and step: no gradient accumulation
         train=TrainConfig(
-            max_steps=steps, save_every=0, global_batch_size=mbs * pc.dp, micro_batch_size=mbs, lr=1e-3, log_every=1
+            max_steps=steps,
+            save_every=0,
+            global_batch_size=mbs * pc.dp,
+            micro_batch_size=mbs,
+            lr=1e-3,
+            log_every=1,
+            lora=lora,
         ),
     )
     (run_dir / "job.json").write_text(job.to_json())
@@ -172,10 +197,12 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
         "parallel": parallel,
         "seq": seq,
         "micro_batch_size": mbs,
+        "lora": dataclasses.asdict(lora) if lora else None,
         "ranks": ranks,
         "worst": worst,
         "max_abs_error": max(abs(x["error"]) for x in ranks),
         "wall_s": time.perf_counter() - t0,
+        "loadavg": os.getloadavg(),  # memory does not depend on load; recorded for the wall time
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-# bench/ is the running script's own directory, first on sys.path
+# bench/ is on sys.path (the running script's folder)
 from bench_util import median
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# bench/ is the running script's own directory, first on sys.path
+# bench/ is on sys.path (the running script's folder)
 from bench_util import log, run_child, run_ranks_child
 
 # A wider tiny Llama than the test default (hidden 128), so matmuls dominate the step.

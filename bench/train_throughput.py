@@ -47,16 +47,22 @@ Nothing is hard-coded: every number is measured in this invocation.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
+
+# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
+# torch import): keep this script's folder, first on sys.path, behind the standard library.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import argparse
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# bench/ is the script's own directory, first on sys.path
+# bench/ is on sys.path (the running script's folder)
 from bench_util import ROOT, loadavg, log
 from mfu import run_mfu
 from pipeline_bubble import FINE_GRAIN, GRAIN, run_pipe

@@ -408,11 +408,20 @@ class LaunchConfig:
     """Rendezvous id shared by every node of one job."""
     omp_num_threads: int = 1
     """OMP threads per rank."""
+    memory_fraction: float = 0.9
+    """Share of each rank's device memory a planned layout may fill: the planner accepts a layout
+    only if its predicted peak per rank is at most this × the hardware's memory per rank; the rest
+    is headroom for what the prediction misses."""
 
     def __post_init__(self) -> None:
         _check_choice("launch", "device", self.device, Device)
         if self.omp_num_threads < 1:
             raise ValueError(f"launch.omp_num_threads must be >= 1, got {self.omp_num_threads}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(
+                f"launch.memory_fraction must lie in (0, 1], got {self.memory_fraction}; it is the share of each "
+                "rank's memory a layout may fill, e.g. 0.9 (the default) keeps 10% free, 1.0 uses it all"
+            )
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ValueError(
                 f"launch.nproc_per_node and launch.nnodes must be >= 1, got {self.nproc_per_node}, {self.nnodes}"

@@ -43,160 +43,51 @@ cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, ZeRO-1, recompute, KV replicat
 engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as FACTS.md and
 NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it, so it is
 not measured.
+
+LoRA (``lora``, a ``neuron_parallel.config.LoraConfig``; ``neuron_parallel.planning.lora``): the
+frozen base weights at the precision's parameter bytes, the adapters and ``modules_to_save`` as
+trainable tensors with the precision's grad, optimizer (ZeRO-1 sharded) and autocast-cache bytes,
+and nothing else of the states. Activations, read off the autograd graph of the same block with
+frozen base weights and adapters (``x + s·B(A(dropout(x)))``): a frozen weight's matmul saves
+the weight, not its input, so a projection's input is saved by its adapter's ``A`` only (and not
+at all for a projection without one); a norm with a frozen weight does not keep its normalised
+tensor; each adapter saves its ``r``-wide ``A`` output; dropout makes each adapter save its own
+dropped input and a 1-byte mask (the fused kernel of CUDA and Neuron; CPU's unfused dropout
+keeps a mask of the input's dtype, so there dropout costs more than predicted). Under autocast,
+torch caches the bf16 copies of trainable weights only: a frozen weight is cast at every forward
+and the copy is saved for backward, so every layer whose activations are held also holds its
+weights' bf16 copies. The loss, pipeline buffers and a layer's backward work are those of full
+fine-tuning. With ``lora=None`` every number is that of full fine-tuning. Checked per layer
+against the saved tensors of Hugging Face's block (tests/unit/test_planner_lora.py, exact) and
+in bench/planner.py against 6 LoRA training runs of the engine (1 rank fp32 and bf16 autocast,
+tp2 + SP, pp2 1F1B, dp2 ZeRO-1 with the lm_head trained, tp4 with KV replication): every rank
+within 2.5 %.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
-from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from ..utils import split_layers
+from .lora import frozen_layer_matrices, lora_stage_params, trained_in_full
+from .model import HF_NAMES, STATES, ModelShape, StateBytes, local_kv_heads, stage_params
+
+if TYPE_CHECKING:
+    from ..config import LoraConfig
+
+__all__ = ["HF_NAMES", "STATES", "ModelShape", "StateBytes", "local_kv_heads", "stage_params"]  # re-exported
 
 GiB = 1 << 30
 BUCKET_BYTES = 32 << 20  # neuron_parallel.optim.all_reduce_grads default bucket
-
-
-@dataclass(frozen=True, slots=True)
-class StateBytes:
-    """Bytes per parameter and per activation element of one precision mode."""
-
-    param: int
-    grad: int
-    sharded: int  # optimizer state (and fp32 master weights) that ZeRO-1 splits over dp
-    act: int  # matmul outputs
-    resid: int  # the residual stream (fp32 under autocast: fp32 params make the adds fp32)
-    cast_cache: int = 0  # autocast's low-precision weight copies, alive through the step
-    autocast: bool = False  # each projection casts (and saves) its own low-precision input copy
-
-
-STATES = {
-    "fp32": StateBytes(param=4, grad=4, sharded=8, act=4, resid=4),
-    "bf16": StateBytes(param=2, grad=2, sharded=12, act=2, resid=2),
-    "bf16_autocast": StateBytes(param=4, grad=4, sharded=8, act=2, resid=4, cast_cache=2, autocast=True),
-}
 
 
 def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, precision: str = "bf16") -> float:
     """Parameter + gradient + optimizer bytes for ``num_params`` on one rank (ZeRO paper formula)."""
     st = STATES[precision]
     return num_params * (st.param + st.grad + st.cast_cache) + num_params * st.sharded / (dp if zero_1 else 1)
-
-
-HF_NAMES = {
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-}
-"""The config.json names of the ``ModelShape`` fields named otherwise there."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The numbers of a Llama-family config.json that size a training run."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    name: str = ""
-
-    @classmethod
-    def from_config(cls, config) -> ModelShape:
-        """From a config.json path (or its directory), a dict, or a ``PretrainedConfig``; weights
-        are never read."""
-        if isinstance(config, ModelShape):
-            return config
-        if isinstance(config, (str, Path)):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise ValueError(f"no config.json at {config}; pass a model directory, its config.json or a dict")
-            name, config = str(config), json.loads(path.read_text())
-        else:
-            name = (
-                getattr(config, "name_or_path", "") if not isinstance(config, dict) else config.get("_name_or_path", "")
-            )
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        missing = [
-            k
-            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-            if get(k) is None
-        ]
-        if missing:
-            raise ValueError(f"model config lacks {missing}; the planner needs a Llama-family config.json")
-        heads = get("num_attention_heads")
-        return cls(
-            hidden_size=get("hidden_size"),
-            num_layers=get("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads") or heads,
-            intermediate_size=get("intermediate_size"),
-            vocab_size=get("vocab_size"),
-            head_dim=get("head_dim") or get("hidden_size") // heads,
-            # Llama, Mistral and Qwen configs default to untied when the key is absent.
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            name=str(name or ""),
-        )
-
-    def as_config(self) -> SimpleNamespace:
-        """Attribute view with Hugging Face names (for ``neuron_parallel.planning.layout.check_layout``)."""
-        ours = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
-        ours += ("head_dim", "tie_word_embeddings")
-        return SimpleNamespace(**{HF_NAMES.get(name, name): getattr(self, name) for name in ours})
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
-
-    @property
-    def num_parameters(self) -> int:
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_params + embed + self.hidden_size
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, FACTS.md: ``6·N_non_embedding + 12·L·H·Q·T`` (N counts every
-        matmul weight, the lm_head included, but not the input embedding lookup)."""
-        n = self.num_layers * self.layer_params + self.vocab_size * self.hidden_size + self.hidden_size
-        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-
-
-def local_kv_heads(kv_heads: int, tp: int) -> int:
-    """KV heads one tp rank holds: ``kv/tp``, or 1 replicated head when tp > kv."""
-    return max(1, kv_heads // tp)
-
-
-def stage_params(shape: ModelShape, tp: int, n_layers: int, first: bool, last: bool) -> list[tuple[int, bool]]:
-    """(local numel, is_matrix) of every parameter one stage holds on a tp rank, in the order of
-    ``CausalLMStage.named_parameters`` (embedding, layers, final norm, lm_head)."""
-    h, d, i, V = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
-    q, kv = shape.num_heads * d // tp, local_kv_heads(shape.num_kv_heads, tp) * d
-    layer = [
-        (q * h, True),
-        (kv * h, True),
-        (kv * h, True),
-        (h * q, True),
-        (i // tp * h, True),
-        (i // tp * h, True),
-        (h * i // tp, True),
-        (h, False),
-        (h, False),
-    ]
-    out = [(V // tp * h, True)] if first else []
-    out += layer * n_layers
-    if last:
-        out.append((h, False))
-        if not (first and shape.tie_word_embeddings):  # one module holding both: one Parameter
-            out.append((V // tp * h, True))
-    return out
 
 
 @lru_cache(maxsize=4096)
@@ -232,30 +123,54 @@ def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
     return max([a + b for a, b in zip(buckets, buckets[1:])] or buckets)
 
 
-def norm_bytes(h: int, tp: int, sp: bool, st: StateBytes, consumers: int = 1) -> float:
+def norm_bytes(
+    h: int, tp: int, sp: bool, st: StateBytes, consumers: int = 1, *, frozen: bool = False, dropout: bool = False
+) -> float:
     """Per token, one RMSNorm (HF computes it in fp32) and the block input it feeds: the fp32
     normalised tensor (plus an fp32 copy of a bf16 input and the cast back), seq-sharded under
     SP, and the input the next projections save, whole (under SP the all-gathered copy, the local
     norm output being freed); under autocast each of the ``consumers`` projections saves its
-    own bf16 cast."""
+    own bf16 cast. A ``frozen`` norm weight keeps only the fp32 copy of a bf16 input; with
+    ``dropout`` each consumer (a LoRA adapter) saves its own dropped input and 1-byte mask."""
     seq = tp if sp else 1
-    internal = 4 + (4 + st.act if st.resid != 4 else 0)
-    return h * internal / seq + h * st.act * (consumers if st.autocast else 1)
+    if frozen:
+        internal = 4 if st.resid != 4 else 0
+    else:
+        internal = 4 + (4 + st.act if st.resid != 4 else 0)
+    if dropout:
+        return h * internal / seq + consumers * h * (st.act + 1)
+    return h * internal / seq + h * st.act * (consumers if st.autocast else min(consumers, 1))
 
 
-def layer_activation_bytes(shape: ModelShape, tp: int, sp: bool, st: StateBytes) -> dict[str, float]:
+def layer_activation_bytes(
+    shape: ModelShape, tp: int, sp: bool, st: StateBytes, lora: LoraConfig | None = None
+) -> dict[str, float]:
     """Bytes per token one decoder layer saves for backward, by tensor group (see module doc)."""
     h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
     seq = tp if sp else 1
     q = shape.num_heads * d / tp
     kv = local_kv_heads(shape.num_kv_heads, tp) * d
+    # rotary q and k, v and the sdpa output (already in (b, s, heads, d) layout, so HF's
+    # transpose().contiguous() copies nothing); the fp32 log-sum-exp per head
+    attention = (2 * q + 2 * kv) * st.act + 4 * shape.num_heads / tp
+    if lora is None:
+        return {
+            "residual": 2 * h * st.resid / seq,  # inputs of the attention and MLP blocks
+            "norms": norm_bytes(h, tp, sp, st, consumers=3) + norm_bytes(h, tp, sp, st, consumers=2),
+            "attention": attention,
+            "mlp": 4 * i / tp * st.act,  # gate, up, silu(gate), silu(gate)*up
+        }
+    targets, drop = set(lora.target_modules), lora.dropout > 0
+    kw = dict(frozen=True, dropout=drop)
     return {
-        "residual": 2 * h * st.resid / seq,  # inputs of the attention and MLP blocks
-        "norms": norm_bytes(h, tp, sp, st, consumers=3) + norm_bytes(h, tp, sp, st, consumers=2),
-        # rotary q and k, v and the sdpa output (already in (b, s, heads, d) layout, so HF's
-        # transpose().contiguous() copies nothing); the fp32 log-sum-exp per head
-        "attention": (2 * q + 2 * kv) * st.act + 4 * shape.num_heads / tp,
-        "mlp": 4 * i / tp * st.act,  # gate, up, silu(gate), silu(gate)*up
+        "residual": 2 * h * st.resid / seq,
+        "norms": norm_bytes(h, tp, sp, st, len(targets & {"q_proj", "k_proj", "v_proj"}), **kw)
+        + norm_bytes(h, tp, sp, st, len(targets & {"gate_proj", "up_proj"}), **kw),
+        # sdpa saves its output anyway; o_proj's adapter adds a dropped copy and its mask
+        "attention": attention + ("o_proj" in targets and drop) * q * (st.act + 1),
+        # gate, up, silu(gate); silu(gate)*up only for down_proj's adapter (dropped, with a mask)
+        "mlp": 3 * i / tp * st.act + ("down_proj" in targets) * i / tp * (st.act + drop),
+        "adapters": len(targets) * lora.r * st.act,  # each A's output, saved by its B
     }
 
 
@@ -266,7 +181,8 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "loss", "pipeline_b
 class StageMemory:
     """Predicted peak tensor bytes of one rank, by component (``total`` sums them); ``phase`` is
     where the peak falls: ``backward`` (activations live) or ``step`` (reduction/optimizer);
-    ``numel`` counts the rank's parameters."""
+    ``numel`` counts the rank's parameters, ``trainable_numel`` those it computes gradients for
+    (all of them but under LoRA)."""
 
     params: float = 0
     grads: float = 0
@@ -278,6 +194,7 @@ class StageMemory:
     comm_buffers: float = 0
     phase: str = "backward"
     numel: int = 0
+    trainable_numel: int = 0
 
     @property
     def total(self) -> float:
@@ -286,6 +203,7 @@ class StageMemory:
     def as_dict(self) -> dict:
         out: dict = {k: int(getattr(self, k)) for k in COMPONENTS}
         out.update(total=int(self.total), phase=self.phase, param_numel=self.numel)
+        out.update(trainable_numel=self.trainable_numel)
         return out
 
 
@@ -315,17 +233,29 @@ def _rank_parameters(
     ids: list[int],
     n_stages: int,
     dp_rank: int | None,
+    lora: LoraConfig | None = None,
 ) -> tuple[list[tuple[int, bool]], dict, int]:
     """The model states of the rank holding the stages ``ids``: (numel, is_matrix) of its every
-    parameter, the ``StageMemory`` fields of its parameters and its ZeRO-1 share of the optimizer
-    state (dp rank ``dp_rank``, default the most loaded), and the largest parameter it updates."""
-    sizes = []
+    trainable parameter, the ``StageMemory`` fields of its parameters and its ZeRO-1 share of the
+    optimizer state (dp rank ``dp_rank``, default the most loaded), and the largest parameter it
+    updates. Under ``lora`` the frozen base counts as parameters only."""
+    sizes, frozen = [], 0
     for sid in ids:
-        sizes += stage_params(shape, tp, layers[sid], sid == 0, sid == n_stages - 1)
+        first, last = sid == 0, sid == n_stages - 1
+        if lora is None:
+            sizes += stage_params(shape, tp, layers[sid], first, last)
+        else:
+            trainable, base = lora_stage_params(shape, lora, tp, layers[sid], first, last)
+            sizes, frozen = sizes + trainable, frozen + base
     numel = sum(n for n, _ in sizes)
     part = zero_partition(tuple(sizes), dp) if zero_1 and dp > 1 else ((numel, max(n for n, _ in sizes)),)
     owned, largest = part[dp_rank] if dp_rank is not None and len(part) > 1 else max(part)
-    states = dict(params=numel * (st.param + st.cast_cache), optimizer=owned * st.sharded, numel=numel)
+    states = dict(
+        params=frozen * st.param + numel * (st.param + st.cast_cache),
+        optimizer=owned * st.sharded,
+        numel=frozen + numel,
+        trainable_numel=numel,
+    )
     return sizes, states, largest
 
 
@@ -347,6 +277,10 @@ class _RankActivations:
     boundary: float  # one microbatch crossing a stage boundary
     chunk: list[float]  # bytes one microbatch saves in each model chunk
     logits: float  # one fp32 ``b·s·V/tp`` buffer
+    lora: LoraConfig | None = None
+    layer_weights: float = 0.0  # bytes a layer saves whatever the tokens: LoRA's frozen bf16 weight copies
+    head: float = 0.0  # per token, the final norm and lm_head input a microbatch leaves on the last stage
+    head_weights: float = 0.0  # the lm_head's frozen bf16 copy, per microbatch on the last stage
 
     @property
     def first(self) -> bool:
@@ -369,7 +303,7 @@ class _RankActivations:
         acts = n_live * sum(self.chunk) / v + (tokens * 16 if self.first else 0)  # + int64 ids and labels
         n_last = (n_live if v == 1 else min(n_live, 1)) if self.last else 0  # microbatches in the last stage
         # per microbatch: the last layer's output, the final norm and the lm_head input
-        acts += n_last * tokens * (h * st.resid / seq + norm_bytes(h, self.tp, self.sp, st))
+        acts += n_last * tokens * (h * st.resid / seq + self.head) + n_last * self.head_weights
         # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
         # every in-flight output (the logits, on the last stage)
         loss = 0.0
@@ -395,18 +329,30 @@ def _rank_activations(
     layers: list[int],
     ids: list[int],
     n_stages: int,
+    lora: LoraConfig | None = None,
 ) -> _RankActivations:
     """The activation sizes of the rank holding the stages ``ids`` for microbatches of ``tokens``
     tokens: per model chunk, the saved tensors of its layers (a checkpointed layer keeps its
     input only) less the chunk's input when a receive buffer holds it (every stage but the first)."""
     h, seq = shape.hidden_size, tp if sp else 1
-    per_layer = sum(layer_activation_bytes(shape, tp, sp, st).values())
+    per_layer = sum(layer_activation_bytes(shape, tp, sp, st, lora).values())
     boundary = tokens * h * st.resid / seq
+    head, layer_weights, head_weights = norm_bytes(h, tp, sp, st), 0.0, 0.0
+    if lora is not None:
+        head_trained = "lm_head" in trained_in_full(shape, lora)
+        head = norm_bytes(h, tp, sp, st, int(head_trained), frozen=True)
+        if st.autocast:  # torch's autocast caches only weights that require grad
+            layer_weights = frozen_layer_matrices(shape, tp) * st.cast_cache
+            head_weights = (not head_trained) * shape.vocab_size // tp * h * st.cast_cache
     chunk = []
     for sid in ids:
         n = layers[sid]
         saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
-        chunk.append(tokens * (saved * per_layer + (n - saved) * h * st.resid / seq) - (boundary if sid else 0))
+        chunk.append(
+            tokens * (saved * per_layer + (n - saved) * h * st.resid / seq)
+            - (boundary if sid else 0)
+            + saved * layer_weights
+        )
     return _RankActivations(
         shape=shape,
         st=st,
@@ -421,6 +367,10 @@ def _rank_activations(
         boundary=boundary,
         chunk=chunk,
         logits=tokens * shape.vocab_size / tp * 4,
+        lora=lora,
+        layer_weights=layer_weights,
+        head=head,
+        head_weights=head_weights,
     )
 
 
@@ -438,9 +388,13 @@ def _backward_phases(
     # gradient and two outgoing ones are live: 2·b·s·i/tp beyond what the layer saved. A
     # recomputed layer rebuilds its saved tensors first. The loss buffers are gone by then.
     layer_work = tokens * (2 * rank.shape.intermediate_size / rank.tp * st.act + (rank.per_layer if recompute else 0))
-    all_grads = states["numel"] * st.grad
+    layer_work += rank.layer_weights if recompute else 0
+    all_grads = states["trainable_numel"] * st.grad
     h = rank.shape.hidden_size
     head_grads = (rank.shape.vocab_size // rank.tp * h + h) * st.grad if rank.last else 0
+    if rank.lora is not None:  # the final norm is frozen; the lm_head's grads exist if it is trained
+        trained = rank.last and "lm_head" in trained_in_full(rank.shape, rank.lora)
+        head_grads = trained * rank.shape.vocab_size // rank.tp * h * st.grad
     phases = []
     for n_live, grads, label in (
         (live, all_grads if grad_accum > 1 else head_grads, "backward"),
@@ -466,7 +420,7 @@ def _backward_phases(
         StageMemory(
             **states,
             grads=all_grads,
-            activations=tokens * rank.per_layer * (not recompute),
+            activations=tokens * rank.per_layer * (not recompute) + rank.layer_weights * (not recompute),
             pipeline_buffers=rank.held(0)[2],
             transient=layer_work,
             phase="backward-end",
@@ -485,7 +439,7 @@ def _step_phase(
     opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
     return StageMemory(
         **states,
-        grads=states["numel"] * st.grad,
+        grads=states["trainable_numel"] * st.grad,
         pipeline_buffers=rank.held(0)[2],
         comm_buffers=max(bucket, opt_tmp),
         phase="step",
@@ -511,19 +465,21 @@ def stage_memory(
     pp_rank: int,
     layers: list[int],
     dp_rank: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> StageMemory:
     """Peak tensor bytes on pp rank ``pp_rank`` (dp rank ``dp_rank``; default the most loaded).
 
     ``micro_batch`` is the pipeline microbatch (sequences per stage forward), ``layers`` the
     layer count of every stage (``pp × virtual_stages`` entries), ``recompute`` the engine's
-    every-k-th-layer checkpointing (0 = off)."""
+    every-k-th-layer checkpointing (0 = off), ``lora`` the adapters trained on a frozen base
+    (None: full fine-tuning)."""
     st = STATES[precision]
     n_stages, ids = pp * virtual_stages, [pp_rank + c * pp for c in range(virtual_stages)]
     sizes, states, largest = _rank_parameters(
-        shape, st, tp=tp, dp=dp, zero_1=zero_1, layers=layers, ids=ids, n_stages=n_stages, dp_rank=dp_rank
+        shape, st, tp=tp, dp=dp, zero_1=zero_1, layers=layers, ids=ids, n_stages=n_stages, dp_rank=dp_rank, lora=lora
     )
     tokens = micro_batch * seq_len
-    rank = _rank_activations(shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages)
+    rank = _rank_activations(shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages, lora)
     phases = _backward_phases(
         rank, states, schedule=schedule, recompute=recompute, grad_accum=grad_accum, pp_rank=pp_rank
     )
@@ -542,10 +498,12 @@ def layout_memory(
     precision: str,
     pp_rank: int,
     dp_rank: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> StageMemory:
     """``stage_memory`` of a layout with ``ParallelConfig``'s field names (a ``ParallelConfig``, the
     planner's ``Candidate``): its ``micro_batch_size`` sequences per dp rank and forward/backward
-    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline)."""
+    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline); ``lora``
+    as in ``stage_memory``."""
     m = layout.num_microbatches if layout.pp > 1 else 1
     return stage_memory(
         shape,
@@ -565,16 +523,19 @@ def layout_memory(
         pp_rank=pp_rank,
         layers=layers,
         dp_rank=dp_rank,
+        lora=lora,
     )
 
 
 def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     """The model above for global rank ``rank`` of an engine job (``neuron_parallel.config.JobConfig``):
     its pp and dp coordinates, the job's layer split, microbatching and precision (the engine's
-    bf16 mode keeps fp32 states, ``bf16_autocast``)."""
+    bf16 mode keeps fp32 states, ``bf16_autocast``), and ``train.lora``'s adapters if any."""
     pc = job.parallel
     dp_rank, rest = divmod(rank, pc.pp * pc.tp)
     layers = [len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)]
     precision = "fp32" if pc.mixed_precision == "fp32" else "bf16_autocast"
     kw = dict(micro_batch_size=job.train.micro_batch_size, seq_len=job.block_size, grad_accum=job.grad_accum)
-    return layout_memory(shape, pc, layers, **kw, precision=precision, pp_rank=rest // pc.tp, dp_rank=dp_rank)
+    return layout_memory(
+        shape, pc, layers, **kw, precision=precision, pp_rank=rest // pc.tp, dp_rank=dp_rank, lora=job.train.lora
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import LAYOUT_FIELDS, LaunchConfig, ParallelConfig
+from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
 from .search import FIXABLE, Candidate, LayoutSearch, search_layouts
 
 DEVICE_HARDWARE = {"cpu": "cpu", "cuda": "p5.48xlarge", "neuron": "trn2.48xlarge"}
@@ -66,13 +66,17 @@ def resolve_layout(
     global_batch_size: int,
     mixed_precision: str = "fp32",
     layer_split: list[int] | None = None,
+    lora: LoraConfig | None = None,
+    memory_fraction: float | None = None,
 ) -> ResolvedLayout:
     """The layout for ``fixed`` (pinned values of ``FIXABLE``) on ``launch``'s ranks.
 
     Pinning every field returns it as given. Otherwise ``search_layouts`` ranks every layout of
     the world on ``hardware`` (default by device, ``DEVICE_HARDWARE``) for this sequence length,
-    global batch and precision, keeping the pinned values; the fastest that fits wins. Raises
-    ``ValueError`` with the search's reason when nothing fits."""
+    global batch, precision and training (full, or ``lora``'s adapters), keeping the pinned
+    values; the fastest that fits within ``memory_fraction`` of a rank's memory (default
+    ``launch.memory_fraction``) wins. Raises ``ValueError`` with the search's reason when
+    nothing fits."""
     world = launch.nproc_per_node * launch.nnodes
     check_pinned(fixed, world_size=world, layer_split=layer_split)
     if set(FIXABLE) <= set(fixed):
@@ -95,6 +99,8 @@ def resolve_layout(
         precision="fp32" if mixed_precision == "fp32" else "bf16_autocast",
         ranks_per_node=launch.nproc_per_node,
         fixed=fixed,
+        lora=lora,
+        memory_fraction=launch.memory_fraction if memory_fraction is None else memory_fraction,
     )
     best = search.best
     if best is None:

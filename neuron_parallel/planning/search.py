@@ -5,10 +5,14 @@ of a job, its predicted memory per rank and tokens/s, ranked; and for every reje
     search.feasible, search.best.to_parallel_config(), search.candidates[0].tokens_per_s
 
 Memory per rank: ``neuron_parallel.memory`` (tensor bytes of the worst pp rank, plus the
-hardware's allocator margin and runtime reserve). Step time, per optimizer step:
+hardware's allocator margin and runtime reserve). A layout fits when that is at most
+``memory_fraction`` (``launch.memory_fraction``, default 0.9) of the rank's memory: the rest is
+headroom for what the model misses. ``lora`` plans adapters on a frozen base
+(``neuron_parallel.planning.lora``) instead of full fine-tuning. Step time, per optimizer step:
 
 * compute: FLOPs of FACTS.md (``6N + 12·L·H·Q·T`` per token; a recomputed layer adds its forward,
-  a third of its training FLOPs) at ``peak × efficiency`` of the hardware kind;
+  a third of its training FLOPs; under LoRA a frozen weight costs ``4N``, no weight gradient)
+  at ``peak × efficiency`` of the hardware kind;
 * tensor parallelism: per layer and microbatch 4 collectives of ``b·s·h`` elements (6 with
   recompute), ring cost ``2(t-1)/t``, on the node's links (TP never leaves a node);
 * pipeline: ``(m + (p-1)/v)`` microbatch slots of the slowest stage (bubble ``(p-1)/(m+p-1)``,
@@ -28,16 +32,20 @@ model on 1024 ranks (about 5,600 candidates) takes one to two seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from ..config import LAYOUT_FIELDS, ParallelConfig
+from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
 from ..utils import divisors, split_layers
 from .hardware import HardwareSpec, get_hardware
 from .layout import tp_problems
+from .lora import adapter_params, describe_lora, lora_flops_per_token, trainable_parameters, trained_in_full
 from .memory import STATES, GiB, ModelShape, layout_memory, model_states_bytes
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MICRO_BATCHES = (1, 2, 4, 8)
+MEMORY_FRACTION = next(f.default for f in dataclasses.fields(LaunchConfig) if f.name == "memory_fraction")
+"""The share of a rank's memory a layout may fill unless told otherwise (``launch.memory_fraction``)."""
 
 
 @dataclass(slots=True)
@@ -103,6 +111,13 @@ class LayoutSearch:
     precision: str
     candidates: list[Candidate]
     reason: str | None = None
+    lora: LoraConfig | None = None
+    memory_fraction: float = MEMORY_FRACTION
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes per rank a layout may fill: ``memory_fraction`` of the rank's memory."""
+        return self.memory_fraction * self.hardware.memory_per_rank
 
     @property
     def feasible(self) -> bool:
@@ -117,6 +132,7 @@ class LayoutSearch:
         return self.nodes * self.hardware.ranks_per_node
 
     def to_dict(self) -> dict:
+        trainable = trainable_parameters(self.model, self.lora) if self.lora else self.model.num_parameters
         return {
             "feasible": self.feasible,
             "reason": self.reason,
@@ -127,6 +143,10 @@ class LayoutSearch:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "precision": self.precision,
+            "lora": dataclasses.asdict(self.lora) if self.lora else None,
+            "trainable_parameters": trainable,
+            "memory_fraction": self.memory_fraction,
+            "memory_limit_bytes": int(self.memory_limit),
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
@@ -187,7 +207,9 @@ def _bw_pp_dp(hw: HardwareSpec, tp: int, pp: int, dp: int) -> tuple[float, float
     return bw_pp, bw_dp
 
 
-def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, layers: list[int]) -> dict:
+def step_time(
+    shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, layers: list[int], lora: LoraConfig | None = None
+) -> dict:
     """Seconds per optimizer step, by component (see the module docstring)."""
     st = STATES[c.precision]
     h, tp, pp, v = shape.hidden_size, c.tp, c.pp, c.virtual_stages
@@ -196,6 +218,12 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
     rate = hw.peak_flops_per_rank * hw.efficiency
     f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
     f_head = 2 * shape.vocab_size * h
+    f_train, head_passes = 3 * f_layer, 3  # forward, input gradient, weight gradient
+    if lora is not None:  # frozen weights: no weight gradient; attention and adapters as before
+        f_attn, f_adapter = 4 * shape.num_heads * shape.head_dim * seq_len, 2 * adapter_params(shape, lora)
+        f_train = 2 * (f_layer - f_attn) + 3 * (f_attn + f_adapter)
+        head_passes = 3 if "lm_head" in trained_in_full(shape, lora) else 2
+        f_layer += f_adapter  # what a recomputed layer re-runs
     ring = 2 * (tp - 1) / tp if tp > 1 else 0
     bw_pp, bw_dp = _bw_pp_dp(hw, tp, pp, c.dp)
     n_stages = pp * v
@@ -205,14 +233,15 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
         for sid in range(r, n_stages, pp):
             n = layers[sid]
             rc = sum(1 for j in range(n) if c.activation_checkpointing and j % c.activation_checkpointing == 0)
-            compute += tokens * (f_layer * (3 * n + rc) + (3 * f_head if sid == n_stages - 1 else 0)) / tp / rate
+            head = head_passes * f_head if sid == n_stages - 1 else 0
+            compute += tokens * (f_train * n + f_layer * rc + head) / tp / rate
             comm += (4 * n + 2 * rc + 2 * (sid in (0, n_stages - 1))) * ring * tokens * h * st.resid / hw.intra_node_bw
         if compute + comm > worst + comm_worst:
             worst, comm_worst = compute, comm
     p2p = 2 * tokens * h * st.resid / (tp if c.sequence_parallel else 1) / bw_pp if pp > 1 else 0.0
     t_mb = worst + comm_worst + p2p
     slots = c.num_microbatches + (pp - 1) / v
-    grad_bytes = c.memory["param_numel"] * st.grad
+    grad_bytes = c.memory["trainable_numel"] * st.grad
     ring_dp = 2 * (c.dp - 1) / c.dp
     dp_s = (ring_dp * grad_bytes + (c.dp - 1) / c.dp * grad_bytes * st.param / st.grad * c.zero_1) / bw_dp
     return {
@@ -225,9 +254,20 @@ def step_time(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, l
     }
 
 
-def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, global_batch: int) -> None:
+def _evaluate(
+    shape: ModelShape,
+    hw: HardwareSpec,
+    c: Candidate,
+    seq_len: int,
+    global_batch: int,
+    lora: LoraConfig | None,
+    memory_fraction: float,
+) -> None:
+    """Fill in ``c``'s memory, whether it fits ``memory_fraction`` of a rank, its step time, and
+    when it does not fit, the reason and what would help."""
     layers = [len(r) for r in split_layers(shape.num_layers, c.pp * c.virtual_stages)]
     kw = dict(micro_batch_size=c.micro_batch_size, seq_len=seq_len, grad_accum=c.grad_accum, precision=c.precision)
+    kw.update(lora=lora)
     # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
     # loss; the ranks between hold no more than rank 0
     worst = max((layout_memory(shape, c, layers, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
@@ -242,12 +282,14 @@ def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, g
         "total": int(total),
     }
     c.memory_per_rank_bytes = int(total)
-    c.fits = total <= hw.memory_per_rank
-    c.time = step_time(shape, hw, c, seq_len, layers)
+    limit = memory_fraction * hw.memory_per_rank
+    c.fits = total <= limit
+    c.time = step_time(shape, hw, c, seq_len, layers, lora)
     c.step_time_s = c.time["total_s"]
     c.tokens_per_s = global_batch * seq_len / c.step_time_s
     world = c.tp * c.pp * c.dp
-    c.mfu = c.tokens_per_s * shape.flops_per_token(seq_len) / (world * hw.peak_flops_per_rank)
+    flops = lora_flops_per_token(shape, lora, seq_len) if lora else shape.flops_per_token(seq_len)
+    c.mfu = c.tokens_per_s * flops / (world * hw.peak_flops_per_rank)
     if c.tp > shape.num_kv_heads:
         c.notes.append(f"KV heads replicated {c.tp // shape.num_kv_heads}x (tp={c.tp} > {shape.num_kv_heads} KV heads)")
     if not c.fits:
@@ -261,22 +303,39 @@ def _evaluate(shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, g
             hint = (
                 "more model parallelism (tp × pp)"
                 + (", ZeRO-1" if c.dp > 1 and not c.zero_1 else "")
+                + (", LoRA (train.lora)" if lora is None else "")
                 + " or more nodes"
             )
+        if total <= hw.memory_per_rank:
+            hint += (
+                f", or a memory_fraction of at least {math.ceil(100 * total / hw.memory_per_rank) / 100:.2f} "
+                "(launch.memory_fraction, --memory-fraction) if you accept less headroom"
+            )
+        share = (
+            f", of which a layout may fill {memory_fraction * 100:g}% ({limit / GiB:.2f} GiB, memory_fraction="
+            f"{memory_fraction:g})"
+            if memory_fraction < 1
+            else ""
+        )
         c.reason = (
-            f"needs {total / GiB:.1f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
-            f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB; try {hint}"
+            f"needs {total / GiB:.2f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
+            f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB{share}; try {hint}"
         )
 
 
-def _min_nodes(shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int) -> int | None:
+def _min_nodes(
+    shape: ModelShape, hw: HardwareSpec, precision: str, nodes: int, memory_fraction: float, lora: LoraConfig | None
+) -> int | None:
     """Fewest nodes whose ranks could hold the model states alone (a lower bound: activations
-    not counted), trying up to 64× the nodes asked for."""
-    usable = hw.memory_per_rank - hw.reserved_bytes
+    not counted; under LoRA the frozen parameters alone), trying up to 64× the nodes asked for."""
+    usable = memory_fraction * hw.memory_per_rank - hw.reserved_bytes
     for n in range(nodes, 64 * nodes + 1):
         world = n * hw.ranks_per_node
         mp = max(t * p for t in divisors(hw.ranks_per_node) for p in divisors(world // t) if p <= shape.num_layers)
-        need = model_states_bytes(shape.num_parameters / mp, dp=world // mp, zero_1=True, precision=precision)
+        if lora is None:
+            need = model_states_bytes(shape.num_parameters / mp, dp=world // mp, zero_1=True, precision=precision)
+        else:
+            need = shape.num_parameters / mp * STATES[precision].param
         if need * (1 + hw.allocator_margin) <= usable:
             return n
     return None
@@ -286,7 +345,9 @@ FIXABLE = LAYOUT_FIELDS + ("micro_batch_size",)
 """What a search can be asked to keep: the layout fields and the micro batch."""
 
 
-def _check_arguments(fixed: dict | None, precision: str, nodes: int, seq_len: int, global_batch: int) -> dict:
+def _check_arguments(
+    fixed: dict | None, precision: str, nodes: int, seq_len: int, global_batch: int, memory_fraction: float
+) -> dict:
     """``fixed`` as a new dict, once the arguments of ``search_layouts`` are known to make sense
     (a ``ValueError`` saying what is wrong otherwise)."""
     fixed = dict(fixed or {})
@@ -302,6 +363,11 @@ def _check_arguments(fixed: dict | None, precision: str, nodes: int, seq_len: in
         raise ValueError(f"precision={precision!r} is not one of {sorted(STATES)}")
     if nodes < 1 or seq_len < 1 or global_batch < 1:
         raise ValueError(f"nodes, seq_len and global_batch must be >= 1, got {nodes}, {seq_len}, {global_batch}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(
+            f"memory_fraction must lie in (0, 1], got {memory_fraction}; it is the share of a rank's memory a "
+            "layout may fill, e.g. 0.9"
+        )
     return fixed
 
 
@@ -322,7 +388,15 @@ def _split_problems(shape: ModelShape, tp_why: list[str], pp: int, dp: int, glob
 
 
 def _candidates(
-    shape: ModelShape, hw: HardwareSpec, world: int, seq_len: int, global_batch: int, precision: str, fixed: dict
+    shape: ModelShape,
+    hw: HardwareSpec,
+    world: int,
+    seq_len: int,
+    global_batch: int,
+    precision: str,
+    fixed: dict,
+    lora: LoraConfig | None,
+    memory_fraction: float,
 ) -> list[Candidate]:
     """Every candidate over (tp, pp) splits of ``world`` ranks that ``fixed`` allows, evaluated;
     an invalid split is one candidate carrying its reason."""
@@ -354,7 +428,7 @@ def _candidates(
                     grad_accum=accum,
                     precision=precision,
                 )
-                _evaluate(shape, hw, c, seq_len, global_batch)
+                _evaluate(shape, hw, c, seq_len, global_batch, lora, memory_fraction)
                 out.append(c)
     return out
 
@@ -373,11 +447,10 @@ def _rank_key(c: Candidate) -> tuple:
     )
 
 
-def _infeasible_reason(
-    shape: ModelShape, hw: HardwareSpec, nodes: int, precision: str, fixed: dict, candidates: list[Candidate]
-) -> str:
-    """Why none of ``candidates`` (ranked) fits: no candidate at all, no valid split, or the smallest
-    layout's memory (and the fewest nodes the model states alone need, when more)."""
+def _infeasible_reason(report: LayoutSearch, fixed: dict) -> str:
+    """Why none of the ``report``'s candidates (ranked) fits: no candidate at all, no valid split,
+    or the smallest layout's memory (and the fewest nodes the model states alone need, when more)."""
+    hw, nodes, candidates = report.hardware, report.nodes, report.candidates
     world = nodes * hw.ranks_per_node
     valid = [c for c in candidates if c.valid]
     if not candidates:
@@ -388,11 +461,13 @@ def _infeasible_reason(
     if not valid:
         return f"no split of {world} ranks suits this model and batch: {candidates[0].reason}"
     least = min(valid, key=lambda c: c.memory_per_rank_bytes)
+    fraction = report.memory_fraction
+    share = f" ({fraction * 100:g}% of its {hw.memory_per_rank / GiB:.1f} GiB, memory_fraction={fraction:g})"
     reason = (
-        f"no layout fits {hw.memory_per_rank / GiB:.1f} GiB per {hw.name} rank: the smallest, "
-        f"{least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB"
+        f"no layout fits {report.memory_limit / GiB:.1f} GiB per {hw.name} rank{share if fraction < 1 else ''}: "
+        f"the smallest, {least.describe()}, needs {least.memory_per_rank_bytes / GiB:.1f} GiB"
     )
-    n = _min_nodes(shape, hw, precision, nodes)
+    n = _min_nodes(report.model, hw, report.precision, nodes, fraction, report.lora)
     if n and n > nodes:
         reason += f"; the model states alone need at least {n} nodes of {hw.name}"
     return reason
@@ -408,6 +483,8 @@ def search_layouts(
     precision: str = "bf16",
     ranks_per_node: int | None = None,
     fixed: dict | None = None,
+    lora: LoraConfig | None = None,
+    memory_fraction: float = MEMORY_FRACTION,
 ) -> LayoutSearch:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
@@ -416,15 +493,20 @@ def search_layouts(
     FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode).
     ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
     those values are considered, and a pinned value is evaluated even where the free search
-    would not try it (``activation_checkpointing=2``, ``num_microbatches=6``)."""
-    fixed = _check_arguments(fixed, precision, nodes, seq_len, global_batch)
+    would not try it (``activation_checkpointing=2``, ``num_microbatches=6``). ``lora`` plans
+    low-rank adapters on the frozen model (None: full fine-tuning); a layout fits when its
+    predicted memory per rank is at most ``memory_fraction`` of the rank's memory."""
+    fixed = _check_arguments(fixed, precision, nodes, seq_len, global_batch, memory_fraction)
     shape = ModelShape.from_config(model_config)
     hw = get_hardware(hardware, ranks_per_node)
-    candidates = _candidates(shape, hw, nodes * hw.ranks_per_node, seq_len, global_batch, precision, fixed)
+    world = nodes * hw.ranks_per_node
+    candidates = _candidates(shape, hw, world, seq_len, global_batch, precision, fixed, lora, memory_fraction)
     candidates.sort(key=_rank_key)
-    report = LayoutSearch(shape, hw, nodes, seq_len, global_batch, precision, candidates)
+    report = LayoutSearch(
+        shape, hw, nodes, seq_len, global_batch, precision, candidates, lora=lora, memory_fraction=memory_fraction
+    )
     if not report.feasible:
-        report.reason = _infeasible_reason(shape, hw, nodes, precision, fixed, candidates)
+        report.reason = _infeasible_reason(report, fixed)
     return report
 
 
@@ -433,10 +515,16 @@ def format_table(report: LayoutSearch, limit: int = 10) -> str:
     hw = report.hardware
     n = report.model.num_parameters
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    training = describe_lora(report.lora)
+    if report.lora:
+        trained = trainable_parameters(report.model, report.lora)
+        training += f", {trained / 1e6:.1f}M trainable"
     lines = [
         f"{report.model.name or 'model'}: {size} params on {report.nodes} × "
         f"{hw.name} ({report.world_size} ranks, {hw.memory_per_rank / GiB:.1f} GiB each), seq {report.seq_len}, "
-        f"global batch {report.global_batch}, {report.precision}"
+        f"global batch {report.global_batch}, {report.precision}, {training}",
+        f"fits within {report.memory_fraction * 100:g}% of {hw.memory_per_rank / GiB:.1f} GiB = "
+        f"{report.memory_limit / GiB:.1f} GiB per rank (memory_fraction)",
     ]
     if hw.planning_only:
         lines.append(f"note: {hw.name} is for planning only ({hw.source})")

@@ -74,6 +74,7 @@ SAMPLES = {
     "launch.rdzv_endpoint": "node-0:29400",
     "launch.rdzv_id": "job-7",
     "launch.omp_num_threads": 3,
+    "launch.memory_fraction": 0.8,
 }
 """A valid value, other than the default, for every settable library field."""
 
