@@ -4,10 +4,12 @@ neuron-flows run CONFIG [--set k=v ...]        the whole pipeline as a Prefect f
 neuron-flows train CONFIG [--set k=v ...]      tokenize + train only (torchrun, no Prefect)
 neuron-flows validate PATH [--quick]           check a checkpoint
 neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
+                         [--merge]             (LoRA: peft adapter; --merge: base + adapters)
 neuron-flows make-tiny DIR                     a tiny model, tokenizer and corpus, offline
 neuron-flows serve [--port 4200]               local Prefect server + deployments + worker (UI)
 neuron-flows join [--launch-file F]            a further node of a multi-node run (Kubernetes)
 neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
+                  [--memory-fraction F] [--lora-r R [--lora-targets q_proj,v_proj]]
                                                rank parallel layouts: memory per rank, tokens/s
 """
 
@@ -140,7 +142,13 @@ def cmd_consolidate(args) -> int:
     from neuron_parallel.checkpoint import consolidate_checkpoint
 
     out = consolidate_checkpoint(
-        args.checkpoint, args.output, fmt=args.format, max_shard_size=args.max_shard_size, model_dir=args.model_dir
+        args.checkpoint,
+        args.output,
+        fmt=args.format,
+        max_shard_size=args.max_shard_size,
+        model_dir=args.model_dir,
+        merge=args.merge,
+        base_dir=args.base_dir,
     )
     print(f"consolidated: {out}")
     return 0
@@ -156,9 +164,16 @@ def cmd_make_tiny(args) -> int:
 
 def cmd_plan(args) -> int:
     """Rank every layout; exit 0 when one fits, 1 when none does (the JSON says why)."""
+    from neuron_parallel.config import LoraConfig
     from neuron_parallel.planning.search import format_table, search_layouts
 
     model = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
+    lora = None
+    if args.lora_r is not None:
+        targets = {"target_modules": args.lora_targets.split(",")} if args.lora_targets else {}
+        lora = LoraConfig(r=args.lora_r, **targets)
+    elif args.lora_targets:
+        raise ValueError("--lora-targets needs --lora-r (the adapters' rank), e.g. --lora-r 16")
     report = search_layouts(
         model,
         args.hardware,
@@ -167,6 +182,8 @@ def cmd_plan(args) -> int:
         global_batch=args.global_batch,
         precision=args.precision,
         ranks_per_node=args.ranks_per_node,
+        lora=lora,
+        **({} if args.memory_fraction is None else {"memory_fraction": args.memory_fraction}),
     )
     print(json.dumps(report.to_dict()) if args.json else format_table(report, args.top))
     return 0 if report.feasible else 1
@@ -201,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face model dir whose config, generation config and "
         "tokenizer are copied (default: the checkpoint's own; for optimum-neuron checkpoints, the "
         "checkpoint dir or its parent)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA checkpoints: write the base model with the adapters merged in (default: the peft adapter)",
+    )
+    p.add_argument(
+        "--base-dir",
+        metavar="DIR",
+        help="with --merge: the base model the adapters were trained on (default: the one the manifest records)",
     )
     p.set_defaults(fn=cmd_consolidate)
     p = sub.add_parser(
@@ -242,6 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--precision", choices=["bf16", "fp32", "bf16_autocast"], default="bf16")
     p.add_argument("--ranks-per-node", type=int, help="override the hardware's ranks per node (e.g. cpu)")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        help="share of a rank's memory a layout may fill (as launch.memory_fraction, whose default applies)",
+    )
+    p.add_argument("--lora-r", type=int, help="plan LoRA adapters of this rank on the frozen model (default: full)")
+    p.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated projections that get adapters (default all 7: q_proj,...,down_proj)",
+    )
     p.add_argument("--top", type=int, default=10, help="layouts shown in the table")
     p.add_argument("--json", action="store_true", help="every candidate as JSON: feasible, candidates (best first)")
     p.set_defaults(fn=cmd_plan)

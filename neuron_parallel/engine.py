@@ -181,7 +181,7 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
         load_weights(part, weights, tied=bool(config.tie_word_embeddings), skip=is_adapter)
         if lora is not None:
             init_adapters(part, job.train.seed)
-            freeze_base(part, lora)
+            freeze_base(part, lora, tied=bool(config.tie_word_embeddings))
         part.train()
     runner = None
     if dims.pp > 1:

@@ -45,6 +45,8 @@ _XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
 # What upload_folder skips by default: git metadata, and the bookkeeping hf_hub_download(local_dir=...) writes.
 _SKIPPED_DIRS = (".git",)
 _SKIPPED_PREFIXES = (".cache/huggingface/",)
+_ADAPTER_CONFIG = "adapter_config.json"
+_MERGED = "merged"  # where a LoRA run's merged model sits beside its adapter (checkpoint.adapter.MERGED_SUBDIR)
 
 
 @dataclass(frozen=True)
@@ -68,28 +70,31 @@ def write_model_card(
 ) -> Path:
     """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a short description.
 
-    The metadata says ``library_name: transformers`` and carries the ``neuron-flows`` tag; ``base_model``
+    The metadata says ``library_name: transformers`` (``peft`` and the ``lora`` tag for a peft adapter
+    directory, one with ``adapter_config.json``) and carries the ``neuron-flows`` tag; ``base_model``
     and ``datasets`` are listed only when they are Hub repo ids, because the Hub rejects cards whose
     ``base_model`` is not a repo and a local path means nothing to a reader. The body names the base
     model and data, tabulates ``summary`` (e.g. steps, final loss, parallel layout) and shows how to
-    load the model from ``repo_id`` (or from ``model_dir`` when there is no repo id yet).
+    load the model from ``repo_id`` (or from ``model_dir`` when there is no repo id yet): an adapter
+    onto its base model with peft, and the merged model of a ``merged/`` folder beside it.
 
-    Returns the path of the card. Raises ``ValueError`` if ``model_dir`` is missing or has no
-    ``config.json``.
+    Returns the path of the card. Raises ``ValueError`` if ``model_dir`` is missing or has neither
+    ``config.json`` nor ``adapter_config.json``.
     """
     model_dir = _check_model_dir(model_dir)
+    adapter = _adapter_config(model_dir)
     hub_base = base_model if _is_hub_repo_id(base_model) else None
     hub_datasets = [name for name in datasets if _is_hub_repo_id(name)]
     data = ModelCardData(
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
-        tags=["neuron-flows", "fine-tuned"],
+        tags=["neuron-flows", "fine-tuned", *(["lora"] if adapter else [])],
         base_model=hub_base,
         datasets=hub_datasets or None,
     )
     reference = repo_id or str(model_dir.resolve())
     title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
-    body = _card_body(title, reference, base_model, datasets, summary, model_dir)
+    body = _card_body(title, reference, base_model, datasets, summary, model_dir, adapter)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
     path = model_dir / "README.md"
     card.save(path)
@@ -109,6 +114,7 @@ def upload_model(
 
     ``endpoint`` defaults to ``HF_ENDPOINT`` (the public Hub); ``token`` to the locally saved login.
     ``private`` applies only when the repo is created; an existing repo keeps its visibility.
+    ``model_dir`` may be a peft adapter directory, with the merged model in a ``merged/`` folder.
     Files under ``.git/`` and ``.cache/huggingface/`` are skipped, as ``upload_folder`` does;
     files unchanged on the server are left out of the commit by huggingface_hub.
 
@@ -119,9 +125,9 @@ def upload_model(
     (slower, still correct). Setting ``HF_HUB_DISABLE_XET=1`` before huggingface_hub is imported is
     the library's documented, process-wide alternative.
 
-    Raises ``ValueError`` (before any network call) if ``model_dir`` is missing or has no
-    ``config.json``, and ``huggingface_hub.errors.HfHubHTTPError`` (or a subclass) on HTTP errors,
-    e.g. 401 without a valid token.
+    Raises ``ValueError`` (before any network call) if ``model_dir`` is missing or has neither
+    ``config.json`` nor ``adapter_config.json``, and ``huggingface_hub.errors.HfHubHTTPError`` (or a
+    subclass) on HTTP errors, e.g. 401 without a valid token.
     """
     model_dir = _check_model_dir(model_dir)
     operations = [
@@ -139,9 +145,18 @@ def _check_model_dir(model_dir: str | Path) -> Path:
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"model directory {path} does not exist (or is not a directory)")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json; save the model with save_pretrained first")
+    if not (path / "config.json").is_file() and not (path / _ADAPTER_CONFIG).is_file():
+        raise ValueError(
+            f"model directory {path} has no config.json (nor a peft {_ADAPTER_CONFIG}); save the model with "
+            "save_pretrained or consolidate the checkpoint first"
+        )
     return path
+
+
+def _adapter_config(model_dir: Path) -> dict | None:
+    """The peft ``adapter_config.json`` of an adapter directory, else None."""
+    path = model_dir / _ADAPTER_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _is_hub_repo_id(name: str) -> bool:
@@ -172,7 +187,13 @@ def _md_cell(value: object) -> str:
 
 
 def _card_body(
-    title: str, reference: str, base_model: str, datasets: list[str], summary: dict[str, object], model_dir: Path
+    title: str,
+    reference: str,
+    base_model: str,
+    datasets: list[str],
+    summary: dict[str, object],
+    model_dir: Path,
+    adapter: dict | None = None,
 ) -> str:
     def describe(name: str, kind: str, url_prefix: str) -> str:
         # Link Hub ids; of a local path show only the last component (the rest is this machine's layout).
@@ -181,24 +202,43 @@ def _card_body(
         return f"a local {kind} (`{Path(name).name}`)"
 
     data = ", ".join(describe(name, "dataset", "datasets/") for name in datasets)
-    lines = [
-        f"# {title}",
-        "",
-        f"A causal language model fine-tuned from {describe(base_model, 'checkpoint', '')} with neuron-flows",
-        f"on {data}." if datasets else "(training data not recorded).",
-        "",
-    ]
+    base = describe(base_model, "checkpoint", "")
+    if adapter:
+        targets = ", ".join(adapter.get("target_modules") or [])
+        what = f"A LoRA adapter (r={adapter['r']}, alpha={adapter['lora_alpha']}, on {targets}) for {base},"
+        lines = [f"# {title}", "", f"{what} trained with neuron-flows"]
+    else:
+        lines = [f"# {title}", "", f"A causal language model fine-tuned from {base} with neuron-flows"]
+    lines += [f"on {data}." if datasets else "(training data not recorded).", ""]
     if summary:
         lines += ["## Training summary", "", "| Item | Value |", "| --- | --- |"]
         lines += [f"| {_md_cell(key)} | {_md_cell(value)} |" for key, value in summary.items()]
         lines.append("")
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    quoted = json.dumps(reference)  # a valid Python string literal, whatever the path contains
     lines += ["## Usage", "", "```python"]
     lines.append("from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if has_tokenizer else ""))
-    quoted = json.dumps(reference)  # a valid Python string literal, whatever the path contains
-    lines += ["", f"model = AutoModelForCausalLM.from_pretrained({quoted})"]
+    if adapter:
+        if _is_hub_repo_id(base_model):
+            base_line = f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base_model)})"
+        else:
+            base_path = json.dumps(f"path/to/{Path(base_model).name}")
+            base_line = f"base = AutoModelForCausalLM.from_pretrained({base_path})  # the local base model"
+        lines += ["from peft import PeftModel", "", base_line]
+        lines.append(f"model = PeftModel.from_pretrained(base, {quoted})")
+    else:
+        lines += ["", f"model = AutoModelForCausalLM.from_pretrained({quoted})"]
     if has_tokenizer:
         lines.append(f"tokenizer = AutoTokenizer.from_pretrained({quoted})")
+    if adapter and (model_dir / _MERGED / "config.json").is_file():
+        # transformers' Auto classes look for an adapter config at the repo's root unless told the subfolder.
+        sub = json.dumps(_MERGED)
+        lines.append("# the base model with the adapter merged in, a plain transformers model:")
+        lines += [
+            "merged = AutoModelForCausalLM.from_pretrained(",
+            f'    {quoted}, subfolder={sub}, adapter_kwargs={{"subfolder": {sub}}}',
+            ")",
+        ]
     lines += ["```", ""]
     return "\n".join(lines)
 

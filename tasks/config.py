@@ -129,6 +129,11 @@ class HubSection(_Section):
     token_secret: str | None = Field(
         None, description="Name of a Prefect Secret block holding the token; else HF_TOKEN."
     )
+    upload: Literal["adapter", "merged", "both"] = Field(
+        "adapter",
+        description="LoRA runs: consolidate and upload the peft adapter, the base model with the adapters "
+        "merged in, or both (the merged model in the repo's merged/ folder). Full fine-tuning uploads the model.",
+    )
 
 
 SECTIONS = {
@@ -204,7 +209,7 @@ class FinetuneConfig(_Section):
 
     def resolve(self, model_dir: str) -> ResolvedLayout:
         """The layout and micro batch of this run on ``model_dir``'s model (the planner fills
-        what is ``auto``)."""
+        what is ``auto``, for full fine-tuning or ``train.lora``, within ``launch.memory_fraction``)."""
         return resolve_layout(
             model_dir,
             self.pinned(),
@@ -214,6 +219,8 @@ class FinetuneConfig(_Section):
             global_batch_size=self.train.global_batch_size,
             mixed_precision=self.parallel.mixed_precision,
             layer_split=self.parallel.layer_split,
+            lora=self.library("train", micro_batch_size=1).lora,
+            memory_fraction=self.launch.memory_fraction,
         )
 
     def to_job(

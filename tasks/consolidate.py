@@ -1,4 +1,5 @@
-"""Consolidate the validated checkpoint into a Hugging Face model directory."""
+"""Consolidate the validated checkpoint into a Hugging Face model directory (LoRA runs: the peft
+adapter, the merged model or both, as ``hub.upload`` says)."""
 
 import shutil
 from pathlib import Path
@@ -7,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.transactions import get_transaction
 
 from neuron_parallel.checkpoint import consolidate_checkpoint
+from neuron_parallel.checkpoint.adapter import export_lora
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
@@ -14,9 +16,18 @@ from .config import FinetuneConfig
 
 @task(name="consolidate", **STEP_POLICY)
 def consolidate(config: FinetuneConfig, checkpoint: str) -> str:
-    out = consolidate_checkpoint(
-        checkpoint, config.consolidated_path, fmt=config.output.format, max_shard_size=config.output.max_shard_size
-    )
+    formats = {"fmt": config.output.format, "max_shard_size": config.output.max_shard_size}
+    if config.train.lora is None:
+        out = consolidate_checkpoint(checkpoint, config.consolidated_path, **formats)
+    else:
+        out = export_lora(
+            checkpoint,
+            config.consolidated_path,
+            kind=config.hub.upload,
+            base_model_name=config.model.name_or_path,
+            base_model_revision=config.model.revision,
+            **formats,
+        )
     txn = get_transaction()
     if txn is not None:
         txn.set("model_dir", str(out))

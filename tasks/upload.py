@@ -34,6 +34,9 @@ def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: 
         + " zero1" * layout.parallel.zero_1,
         "tokens seen": metrics.get("tokens_seen"),
     }
+    lora = config.train.lora
+    if lora is not None:
+        summary["LoRA"] = f"r={lora.r} alpha={lora.alpha:g} on {', '.join(lora.target_modules)} ({config.hub.upload})"
     sources = [config.data.source] if isinstance(config.data.source, str) else list(config.data.source)
     write_model_card(
         model_dir, repo_id=config.hub.repo_id, base_model=config.model.name_or_path, datasets=sources, summary=summary

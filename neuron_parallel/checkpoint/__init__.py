@@ -1,5 +1,7 @@
-"""Sharded checkpoints: atomic save, resume on any topology, validation, consolidation."""
+"""Sharded checkpoints: atomic save, resume on any topology, validation, consolidation, LoRA
+adapter export and merge."""
 
+from .adapter import export_adapter, merge_adapter
 from .consolidate import consolidate_checkpoint
 from .format import Manifest, is_complete, list_checkpoints, resolve_checkpoint
 from .save import CheckpointWriter
@@ -12,9 +14,11 @@ __all__ = [
     "HFWeights",
     "Manifest",
     "consolidate_checkpoint",
+    "export_adapter",
     "is_complete",
     "list_checkpoints",
     "local_view",
+    "merge_adapter",
     "resolve_checkpoint",
     "validate_checkpoint",
 ]

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .format import HF_FILES, resolve_checkpoint
+from .format import HF_FILES, Manifest, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
 from .tensors import CheckpointTensors, dtype_from_name, safetensors_dtype
@@ -164,7 +164,9 @@ def _copy_ranges(ranges: list[tuple[Path, int, int]], dst_fd: int) -> bool:
     return True
 
 
-def _write_safetensors(path: Path, items, source: TensorSource) -> int:
+def write_safetensors(path: Path, items, source: TensorSource) -> int:
+    """Write the tensors ``items`` (``(name, shape, dtype)``, a slice of ``source``'s plan) to one
+    safetensors file, streamed from ``source``; atomically (a ``.tmp`` renamed). Returns the data bytes."""
     header, offset = {}, 0
     for name, shape, dtype in items:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -240,12 +242,12 @@ def write_hf_dir(
             size += nbytes
         groups.append(cur)
         if len(groups) == 1:
-            _write_safetensors(out / "model.safetensors", groups[0], source)
+            write_safetensors(out / "model.safetensors", groups[0], source)
         else:
             weight_map, total = {}, 0
             for i, group in enumerate(groups, 1):
                 fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-                total += _write_safetensors(out / fname, group, source)
+                total += write_safetensors(out / fname, group, source)
                 weight_map.update({name: fname for name, _, _ in group})
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -261,11 +263,43 @@ def consolidate_checkpoint(
     fmt: str = "safetensors",
     max_shard_size: str | int = "5GB",
     model_dir: str | Path | None = None,
+    merge: bool = False,
+    base_dir: str | Path | None = None,
 ) -> Path:
     """Write a Hugging Face model directory for the checkpoint at ``path``: ours (a run dir → its
     newest complete checkpoint, a checkpoint dir, or its ``shards/`` folder) or an optimum-neuron
     / neuronx-distributed one (its checkpoint dir or ``shards/``). Refuses a checkpoint that
     fails quick validation. ``model_dir``: a Hugging Face directory whose config, generation
-    config and tokenizer files are copied instead of the checkpoint's own."""
+    config and tokenizer files are copied instead of the checkpoint's own.
+
+    A LoRA checkpoint becomes a peft adapter directory, or with ``merge`` the base model with the
+    adapters merged in (``base_dir``: the base model, default the one its manifest records); see
+    ``adapter.py``. ``merge`` is refused for a full fine-tuning checkpoint."""
+    if _is_lora_checkpoint(path):
+        from .adapter import export_adapter, merge_adapter  # adapter.py builds on this module's writer
+
+        if merge:
+            return merge_adapter(
+                path, output_dir, base_dir, fmt=fmt, max_shard_size=max_shard_size, model_dir=model_dir
+            )
+        if base_dir is not None:
+            raise ValueError("a base model directory is only read when merging; add --merge (merge=True)")
+        return export_adapter(path, output_dir, model_dir=model_dir)
     source = open_source(path, model_dir=model_dir)
+    if merge or base_dir is not None:
+        raise ValueError(
+            f"{path} is not a LoRA checkpoint: there are no adapters to merge; consolidate it without "
+            "--merge (and --base-dir), which writes the whole fine-tuned model"
+        )
     return write_hf_dir(source, output_dir, fmt=fmt, max_shard_size=max_shard_size)
+
+
+def _is_lora_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is one of our checkpoints whose manifest records adapters (an unreadable
+    one is not, and is refused with its problems by ``open_source``)."""
+    if find_neuronx_checkpoint(path) is not None:
+        return False
+    try:
+        return Manifest.load(resolve_checkpoint(path)).adapter is not None
+    except (OSError, ValueError, KeyError):
+        return False

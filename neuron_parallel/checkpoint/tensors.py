@@ -216,6 +216,24 @@ class HFWeights:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    def names(self) -> list[str]:
+        """Every tensor's name, in the order the index or the file lists them."""
+        return list(self.where)
+
+    def shape_dtype(self, name: str) -> tuple[list[int], torch.dtype]:
+        """The stored shape and dtype of tensor ``name``, from the file's header."""
+        info = self._files.get(self.where[name]).header[name]
+        try:
+            return list(info["shape"]), dtype_from_safetensors(info["dtype"])
+        except KeyError:
+            raise ValueError(f"{self.root}: {name} has dtype {info['dtype']}, which this tool does not read") from None
+
+    def byte_range(self, name: str) -> tuple[Path, int, int]:
+        """``(file, offset, nbytes)`` of tensor ``name``'s bytes."""
+        f = self._files.get(self.where[name])
+        start, stop = f.header[name]["data_offsets"]
+        return f.path, f.data_start + start, stop - start
+
     def read(self, name: str, offsets: list[int] | None = None, shape: list[int] | None = None) -> torch.Tensor:
         f = self._files.get(self.where[name])
         if offsets is None:

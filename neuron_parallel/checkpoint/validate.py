@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: b
     Always: COMPLETE and manifest present, every file named exists with the right size, every
     tensor's pieces lie inside its global shape and cover it exactly once. Unless ``quick``:
     sha256 of every file, each piece's stored shape and dtype, and no NaN/Inf in any tensor.
-    With ``check_model``, every tensor's global shape against the model its config describes.
+    With ``check_model``, every tensor's global shape against the model its config describes (for
+    a LoRA checkpoint: the adapters of its targeted layers and its ``modules_to_save``).
     """
     try:
         ckpt = resolve_checkpoint(path)
@@ -87,26 +89,75 @@ def expected_shapes(model_config: dict) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
+MODULE_WEIGHTS = {"lm_head": "lm_head.weight", "embed_tokens": "model.embed_tokens.weight"}
+"""``train.lora.modules_to_save`` entries and the Hugging Face weight each trains in full."""
+
+
+def lora_targets(names, target_modules: list[str]) -> list[str]:
+    """The linear weights among ``names`` that carry an adapter: ``model.layers.<i>.self_attn.<t>.weight``
+    or ``model.layers.<i>.mlp.<t>.weight`` for ``t`` in ``target_modules``, as the engine's
+    ``add_lora`` chooses them."""
+    targets = "|".join(re.escape(t) for t in target_modules)
+    pattern = re.compile(rf"model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{targets})\.weight")
+    return [name for name in names if pattern.fullmatch(name)]
+
+
+def saved_module_names(model_config: dict, modules_to_save: list[str]) -> list[str]:
+    """Checkpoint names of the ``modules_to_save`` weights: a tied lm_head is the embedding,
+    stored once under ``model.embed_tokens.weight``."""
+    tied = bool(model_config.get("tie_word_embeddings"))
+    names = [MODULE_WEIGHTS["embed_tokens"] if tied else MODULE_WEIGHTS[m] for m in modules_to_save]
+    return list(dict.fromkeys(names))
+
+
+def expected_adapter_shapes(model_config: dict, lora: dict) -> dict[str, list[int]]:
+    """Checkpoint names and global shapes of a LoRA checkpoint's model tensors: ``<layer>.lora_A``
+    (r × in) and ``<layer>.lora_B`` (out × r) of every targeted projection, and the whole
+    ``modules_to_save`` weights. No base weight: those belong to the base model."""
+    model = expected_shapes(model_config)
+    want: dict[str, list[int]] = {}
+    for name in lora_targets(model, lora["target_modules"]):
+        out_dim, in_dim = model[name]
+        layer = name.removesuffix(".weight")
+        want[f"{layer}.lora_A"] = [lora["r"], in_dim]
+        want[f"{layer}.lora_B"] = [out_dim, lora["r"]]
+    for name in saved_module_names(model_config, lora.get("modules_to_save", [])):
+        want[name] = model[name]
+    return want
+
+
 def _check_against_model(ckpt: Path, manifest: Manifest) -> list[str]:
     """Every parameter of the model in the manifest's config is present with its shape (a vocab
-    dimension may be padded), and optimizer state matches its parameter's shape."""
+    dimension may be padded), and optimizer state matches its parameter's shape. A LoRA
+    checkpoint holds its adapters and ``modules_to_save`` instead, and nothing else."""
+    lora = (manifest.adapter or {}).get("lora")
     try:
-        want = expected_shapes(manifest.model_config)
+        if lora is None:
+            want = expected_shapes(manifest.model_config)
+        else:
+            want = expected_adapter_shapes(manifest.model_config, lora)
     except Exception as e:  # an unknown architecture is a finding about this checkpoint
         return [f"{ckpt / MANIFEST}: model_config does not describe a known model ({e})"]
+    what = "parameter" if lora is None else "trainable tensor"
     problems = []
     have = {n: t for n, t in manifest.tensors.items() if t.kind == "model"}
     vocab = manifest.model_config.get("vocab_size")
     for name, shape in want.items():
         entry = have.get(name)
         if entry is None:
-            problems.append(f"{ckpt}: parameter {name} {shape} is missing from the checkpoint")
+            problems.append(f"{ckpt}: {what} {name} {shape} is missing from the checkpoint")
         elif entry.shape != shape and not (
             entry.shape[1:] == shape[1:] and shape[0] == vocab and entry.shape[0] > vocab
         ):
             problems.append(f"{ckpt}: {name} has global shape {entry.shape}, the model expects {shape}")
     for name in sorted(set(have) - set(want)):
-        problems.append(f"{ckpt}: {name} is not a parameter of this model")
+        if lora is None:
+            problems.append(f"{ckpt}: {name} is not a parameter of this model")
+        else:
+            problems.append(
+                f"{ckpt}: {name} is not a trainable tensor of this LoRA checkpoint (adapters of "
+                f"{lora['target_modules']} and modules_to_save {lora.get('modules_to_save', [])})"
+            )
     for name, entry in manifest.tensors.items():
         if entry.kind == "optim":
             param = name.rsplit(".", 1)[0]

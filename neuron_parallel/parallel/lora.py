@@ -87,9 +87,14 @@ def _to_lora(linear: nn.Linear, cfg: LoraConfig) -> None:
     linear.lora_dropout = cfg.dropout
 
 
-def freeze_base(stage: nn.Module, cfg: LoraConfig) -> None:
-    """Only adapters and ``modules_to_save`` keep ``requires_grad``."""
-    keep = tuple(f"{m}." for m in cfg.modules_to_save)
+def freeze_base(stage: nn.Module, cfg: LoraConfig, *, tied: bool = False) -> None:
+    """Only adapters and ``modules_to_save`` keep ``requires_grad``. With tied embeddings
+    ``lm_head`` and ``embed_tokens`` are one weight (two copies on different pipeline stages):
+    naming either trains both."""
+    saved = set(cfg.modules_to_save)
+    if tied and saved & {"lm_head", "embed_tokens"}:
+        saved |= {"lm_head", "embed_tokens"}
+    keep = tuple(f"{m}." for m in saved)
     for name, p in stage.named_parameters():
         p.requires_grad_(is_adapter(name) or any(f".{k}" in f".{name}" for k in keep))
 

@@ -157,6 +157,29 @@ def test_model_card_metadata_and_body(model_dir: Path, tmp_path: Path) -> None:
     assert f'from_pretrained("{model_dir.resolve()}")' in card.text
 
 
+def test_adapter_card_says_peft_names_the_base_and_uploads_with_the_merged_folder(
+    hub: LocalHub, model_dir: Path, tmp_path: Path
+) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    save_file({"base_model.model.lm_head.weight": torch.zeros(4, 4)}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "merged").mkdir()
+    (adapter / "merged" / "config.json").write_text((model_dir / "config.json").read_text())
+
+    card = ModelCard.load(card_for(adapter))
+    assert card.data.library_name == "peft" and "lora" in card.data.tags
+    assert card.data.base_model == "TinyLlama/TinyLlama-1.1B"
+    assert "A LoRA adapter (r=8, alpha=16, on q_proj, v_proj)" in card.text
+    assert 'base = AutoModelForCausalLM.from_pretrained("TinyLlama/TinyLlama-1.1B")' in card.text
+    assert f'PeftModel.from_pretrained(base, "{REPO_ID}")' in card.text and 'subfolder="merged"' in card.text
+
+    upload_model(adapter, repo_id=REPO_ID, endpoint=hub.url, token=hub.token)
+    snap = Path(snapshot_download(REPO_ID, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "cache"))
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "merged/config.json"} <= set(digests(snap))
+
+
 def test_local_hub_speaks_the_hub_error_shapes(hub: LocalHub, model_dir: Path) -> None:
     upload_model(model_dir, repo_id=REPO_ID, endpoint=hub.url, token=hub.token)
 

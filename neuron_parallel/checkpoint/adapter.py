@@ -1,0 +1,321 @@
+"""LoRA checkpoints out: a peft adapter directory, or the base model with the adapters merged in.
+
+A LoRA checkpoint (``Manifest.adapter`` set) holds only what was trained: ``<layer>.lora_A``
+(r × in) and ``<layer>.lora_B`` (out × r) of every targeted projection, and the ``modules_to_save``
+weights (a tied lm_head under ``model.embed_tokens.weight``). Two ways out, both through the
+streaming writer of ``consolidate.py``:
+
+* :func:`export_adapter`: peft's format, so ``PeftModel.from_pretrained(base, dir)`` loads it.
+  ``adapter_config.json`` carries peft's ``LoraConfig`` fields; ``adapter_model.safetensors`` keys
+  are the module paths under ``base_model.model.`` with peft's ``.weight`` suffix
+  (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and a module to save is
+  keyed by its plain weight name (``base_model.model.lm_head.weight``), which is how peft's
+  ``get_peft_model_state_dict`` writes them. On a tied model the trained embedding is the head
+  too: peft ties the two with ``ensure_weight_tying`` and saves the weight under both names.
+* :func:`merge_adapter`: a full Hugging Face model, every tensor streamed from the base model's
+  safetensors (refused unless its digest is the one the manifest recorded), ``W + (alpha / r) B A``
+  computed in fp32 and cast back to the base dtype for targeted weights, ``modules_to_save``
+  replaced by the trained ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .consolidate import write_hf_dir, write_safetensors
+from .engine_state import base_model_identity
+from .format import HF_FILES, Manifest, resolve_checkpoint
+from .tensors import CheckpointTensors, HFWeights, dtype_from_name
+from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "MERGED_SUBDIR",
+    "AdapterSource",
+    "MergedSource",
+    "export_adapter",
+    "export_lora",
+    "merge_adapter",
+    "peft_config",
+    "peft_name",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_SUBDIR = "merged"
+"""Where ``export_lora(kind="both")`` puts the merged model, beside the adapter."""
+PEFT_PREFIX = "base_model.model."
+_MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "*.index.json", "pytorch_model*.bin")
+_TOKENIZER_FILES = tuple(n for n in HF_FILES if n not in ("config.json", "generation_config.json"))
+
+Kind = Literal["adapter", "merged", "both"]
+
+
+def open_adapter_checkpoint(path: str | Path) -> CheckpointTensors:
+    """The LoRA checkpoint at ``path`` (run dir, checkpoint dir or ``shards/``), after quick
+    validation. Refuses a full fine-tuning checkpoint and an incomplete or damaged one."""
+    ckpt = resolve_checkpoint(path)
+    problems = validate_checkpoint(ckpt, quick=True, check_model=False)
+    if problems:
+        raise ValueError(f"refusing to export {ckpt}: " + "; ".join(problems))
+    tensors = CheckpointTensors(ckpt)
+    if tensors.manifest.adapter is None:
+        raise ValueError(
+            f"{ckpt} is a full fine-tuning checkpoint, not a LoRA one: it has no adapters to export or "
+            "merge; consolidate it without --merge"
+        )
+    return tensors
+
+
+def peft_name(name: str) -> str:
+    """A checkpoint tensor name → its key in peft's ``adapter_model.safetensors``."""
+    for suffix in (".lora_A", ".lora_B"):
+        if name.endswith(suffix):
+            return f"{PEFT_PREFIX}{name}.weight"
+    return PEFT_PREFIX + name
+
+
+def peft_config(
+    manifest: Manifest, base_model_name: str | None = None, base_model_revision: str | None = None
+) -> dict[str, Any]:
+    """``adapter_config.json`` for the checkpoint's adapters: peft's ``LoraConfig`` fields that
+    describe what the engine trained (``W x + (alpha / r) B A dropout(x)``, no bias, no rsLoRA or
+    DoRA). ``base_model_name`` (and its Hub ``base_model_revision``) default to the base model
+    directory the manifest records."""
+    lora, base = manifest.adapter["lora"], manifest.adapter["base_model"]
+    tied = bool(manifest.model_config.get("tie_word_embeddings"))
+    alpha = lora["alpha"]
+    modules = sorted(lora.get("modules_to_save", []))
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name or base["name_or_path"],
+        "revision": base_model_revision,
+        "r": lora["r"],
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": lora["dropout"],
+        "target_modules": sorted(lora["target_modules"]),
+        # On a tied model peft keeps the embedding and the head one module (ensure_weight_tying).
+        "modules_to_save": (["embed_tokens"] if tied else modules) or None,
+        "ensure_weight_tying": tied and bool(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+
+
+class AdapterSource:
+    """The adapters and modules to save of a LoRA checkpoint under peft's names, for the writer."""
+
+    def __init__(self, tensors: CheckpointTensors) -> None:
+        self.tensors = tensors
+        self.model_config = tensors.manifest.model_config
+        vocab = self.model_config.get("vocab_size")
+        tied = bool(self.model_config.get("tie_word_embeddings"))
+        self._names: dict[str, tuple[str, list[int]]] = {}
+        for name in tensors.names("model"):
+            shape = list(tensors.manifest.tensors[name].shape)
+            if name in MODULE_WEIGHTS.values() and vocab and shape[0] > vocab:
+                shape[0] = vocab  # rows a vocab-parallel layout padded on
+            self._names[peft_name(name)] = (name, shape)
+            if tied and name == MODULE_WEIGHTS["embed_tokens"]:
+                self._names[peft_name(MODULE_WEIGHTS["lm_head"])] = (name, shape)
+        self._plan = [
+            (key, shape, dtype_from_name(tensors.manifest.tensors[name].dtype))
+            for key, (name, shape) in sorted(self._names.items())
+        ]
+
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        return self._plan
+
+    def read(self, key: str) -> torch.Tensor:
+        name, shape = self._names[key]
+        return self.tensors.read(name, [0] * len(shape), shape)
+
+
+def export_adapter(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    base_model_name: str | None = None,
+    base_model_revision: str | None = None,
+    model_dir: str | Path | None = None,
+) -> Path:
+    """Write the LoRA checkpoint at ``checkpoint`` as a peft adapter directory: ``adapter_config.json``,
+    ``adapter_model.safetensors`` and the tokenizer files (the checkpoint's, or ``model_dir``'s),
+    nothing else; stale model files in ``out_dir`` are removed. ``base_model_name`` is what
+    ``base_model_name_or_path`` says (default: the base model directory the manifest records),
+    ``base_model_revision`` its Hub revision."""
+    tensors = open_adapter_checkpoint(checkpoint)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove(out, _MODEL_FILES)
+    source = AdapterSource(tensors)
+    write_safetensors(out / ADAPTER_WEIGHTS, source.plan(), source)
+    config = peft_config(tensors.manifest, base_model_name, base_model_revision)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    files_dir = Path(model_dir) if model_dir is not None else tensors.root
+    for name in _TOKENIZER_FILES:
+        if (files_dir / name).is_file():
+            shutil.copyfile(files_dir / name, out / name)
+    return out
+
+
+class MergedSource:
+    """The base model with a checkpoint's adapters merged in, as a ``TensorSource``: the base's
+    tensors in its order, names, shapes and dtypes, read row block by row block."""
+
+    def __init__(self, tensors: CheckpointTensors, base_dir: Path, model_dir: Path | None = None) -> None:
+        self.tensors = tensors
+        self.base = HFWeights(base_dir)
+        self.model_config = tensors.manifest.model_config
+        lora = tensors.manifest.adapter["lora"]
+        self.scale = lora["alpha"] / lora["r"]
+        self._plan = [(name, *self.base.shape_dtype(name)) for name in self.base.names()]
+        names = [name for name, _, _ in self._plan]
+        self._adapted = {name: name.removesuffix(".weight") for name in lora_targets(names, lora["target_modules"])}
+        # A tied head is the embedding: both take the trained embedding.
+        tied = bool(self.model_config.get("tie_word_embeddings"))
+        saved = saved_module_names(self.model_config, lora.get("modules_to_save", []))
+        self._replaced = {}
+        for name in MODULE_WEIGHTS.values():
+            stored = MODULE_WEIGHTS["embed_tokens"] if tied else name
+            if stored in saved and name in names:
+                self._replaced[name] = stored
+        needed = [f"{p}.lora_{ab}" for p in self._adapted.values() for ab in "AB"] + list(self._replaced.values())
+        missing = [name for name in needed if name not in tensors]
+        if missing:
+            raise ValueError(
+                f"{tensors.root} lacks {len(missing)} tensors the base model in {base_dir} needs ({missing[:3]}…); "
+                f"run neuron-flows validate {tensors.root}"
+            )
+        self._files_dir = model_dir if model_dir is not None else tensors.root
+        self._a_cache: tuple[str, torch.Tensor] | None = None
+
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        return self._plan
+
+    def _lora_a(self, prefix: str) -> torch.Tensor:
+        if self._a_cache is None or self._a_cache[0] != prefix:
+            self._a_cache = (prefix, self.tensors.read(f"{prefix}.lora_A").float())
+        return self._a_cache[1]
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the merged tensor ``name``."""
+        shape, dtype = self.base.shape_dtype(name)
+        box = [start] + [0] * (len(shape) - 1), [stop - start, *shape[1:]]
+        if name in self._replaced:
+            return self.tensors.read(self._replaced[name], *box).to(dtype)
+        weight = self.base.read(name, *box)
+        if name not in self._adapted:
+            return weight
+        prefix = self._adapted[name]
+        a = self._lora_a(prefix)
+        b = self.tensors.read(f"{prefix}.lora_B", [start, 0], [stop - start, a.shape[0]])
+        return (weight.float() + self.scale * (b.float() @ a)).to(dtype)
+
+    def read(self, name: str) -> torch.Tensor:
+        shape, _ = self.base.shape_dtype(name)
+        if not shape:
+            return self.base.read(name)
+        return self.read_rows(name, 0, shape[0])
+
+    def byte_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """The base file's bytes of a tensor the adapters leave as it is (copied in the kernel)."""
+        if name in self._adapted or name in self._replaced:
+            return None
+        return [self.base.byte_range(name)]
+
+    def hf_files(self) -> list[Path]:
+        return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
+
+
+def check_base_model(tensors: CheckpointTensors, base_dir: str | Path | None) -> Path:
+    """The base model directory to merge into: ``base_dir``, or the one the manifest records.
+    Refuses one that is missing or whose weights are not the ones the adapters were trained on."""
+    recorded = tensors.manifest.adapter["base_model"]
+    base = Path(base_dir if base_dir is not None else recorded["name_or_path"])
+    if not base.is_dir() or not any(base.glob("*.safetensors")):
+        raise ValueError(
+            f"base model {base} is not a directory with safetensors weights; pass --base-dir (base_dir=) "
+            f"pointing at the base model the adapters were trained on ({recorded['name_or_path']})"
+        )
+    digest = base_model_identity(base)["sha256"]
+    if digest != recorded["sha256"]:
+        raise ValueError(
+            f"base model {base} holds other weights (sha256 {digest[:12]}…) than the adapters of "
+            f"{tensors.root} were trained on ({recorded['name_or_path']}, sha256 {recorded['sha256'][:12]}…); "
+            "pass --base-dir (base_dir=) pointing at that original base model"
+        )
+    return base
+
+
+def merge_adapter(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    base_dir: str | Path | None = None,
+    *,
+    fmt: str = "safetensors",
+    max_shard_size: str | int = "5GB",
+    model_dir: str | Path | None = None,
+) -> Path:
+    """Write the base model with the LoRA checkpoint's adapters merged in, as a Hugging Face model
+    directory (config and tokenizer from the checkpoint, or ``model_dir``), streamed tensor by
+    tensor. ``base_dir`` defaults to the base model the manifest records; its weights must have
+    the recorded digest."""
+    tensors = open_adapter_checkpoint(checkpoint)
+    base = check_base_model(tensors, base_dir)
+    source = MergedSource(tensors, base, Path(model_dir) if model_dir is not None else None)
+    out = Path(out_dir)
+    if out.is_dir():
+        _remove(out, (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
+    return write_hf_dir(source, out, fmt=fmt, max_shard_size=max_shard_size)
+
+
+def export_lora(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    kind: Kind = "adapter",
+    base_model_name: str | None = None,
+    base_model_revision: str | None = None,
+    fmt: str = "safetensors",
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """What a LoRA run publishes, in ``out_dir``: the peft adapter (``kind="adapter"``), the merged
+    model (``"merged"``), or the adapter with the merged model in ``out_dir/merged/`` (``"both"``).
+    ``base_model_name`` / ``base_model_revision``: how the adapter's config names its base model
+    (e.g. the run's ``model.name_or_path``); merging always reads the base the manifest records."""
+    if kind not in ("adapter", "merged", "both"):
+        raise ValueError(f"hub.upload {kind!r} is not one of adapter, merged, both")
+    out = Path(out_dir)
+    merged = out / MERGED_SUBDIR
+    if kind != "both" and merged.is_dir():
+        shutil.rmtree(merged)  # an earlier attempt's
+    if kind == "merged":
+        return merge_adapter(checkpoint, out, fmt=fmt, max_shard_size=max_shard_size)
+    export_adapter(checkpoint, out, base_model_name=base_model_name, base_model_revision=base_model_revision)
+    if kind == "both":
+        merge_adapter(checkpoint, merged, fmt=fmt, max_shard_size=max_shard_size)
+    return out
+
+
+def _remove(out: Path, patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
+        for stale in out.glob(pattern):
+            if stale.is_file():
+                stale.unlink()
