@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/train_throughput.py
 	$(BIN)/python bench/checkpoint_save.py
 	$(BIN)/python bench/consolidate.py
+	$(BIN)/python bench/tokenize.py
 
 clean:
 	rm -rf $(TINY) .runs

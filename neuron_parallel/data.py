@@ -192,10 +192,23 @@ def _load_repo(repo: str, split: str, config: str | None):
         raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
-def _encoded_features():
+def _encoded_features(data: DataConfig):
+    """``ids``, and for formats that mask, ``trained`` (text trains every token: no column)."""
     from datasets import Features, List, Value
 
-    return Features({"ids": List(Value("int32")), "trained": List(Value("int8"))})
+    trained = {"trained": List(Value("int8"))} if data.format != "text" else {}
+    return Features({"ids": List(Value("int32")), **trained})
+
+
+def _encode_procs(num_proc: int | None, num_examples: int) -> int | None:
+    """Processes for encoding: ``num_proc`` when given; else one per core (up to 8) for sources
+    of at least 2,000 examples, where rendering and list building in Python outweigh starting
+    the workers. Encoding is per example, so the rows do not depend on it; packing always runs in
+    one process, because its batch edges decide where rows are cut."""
+    if num_proc is not None:
+        return num_proc
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8) if cores > 1 and num_examples >= 2000 else None
 
 
 def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | None):
@@ -218,8 +231,8 @@ def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | 
                 batched=True,
                 with_indices=True,
                 remove_columns=raw.column_names,
-                features=_encoded_features(),
-                num_proc=num_proc,
+                features=_encoded_features(data),
+                num_proc=_encode_procs(num_proc, len(raw)),
                 load_from_cache_file=False,  # the rows are cached by fingerprint; no stale partial results
                 desc=f"tokenize {name}",
             )
@@ -252,7 +265,7 @@ def _split_examples(data: DataConfig, tokenizer, num_proc: int | None):
     return examples, _examples(data, tokenizer, eval_sources, data.eval_split or data.split, num_proc)
 
 
-def _rows(data: DataConfig, examples, pad_id: int, num_proc: int | None):
+def _rows(data: DataConfig, examples, pad_id: int):
     """The rows of ``examples`` (``neuron_parallel.packing``) and the sums of their counts."""
     from datasets import Features, List, Value
 
@@ -276,7 +289,6 @@ def _rows(data: DataConfig, examples, pad_id: int, num_proc: int | None):
         batch_size=PACK_BATCH,
         remove_columns=examples.column_names,
         features=Features({**{n: row for n in names}, **counts}),
-        num_proc=num_proc,
         load_from_cache_file=False,
         desc="pack",
     )
@@ -305,7 +317,8 @@ def _refuse_empty(data: DataConfig, examples, what: str) -> None:
 def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int | None = None) -> TokenizedDataset:
     """Tokenize, mask and pack ``data`` with the tokenizer in ``tokenizer_dir`` into
     ``data.cache_dir/<fingerprint>/`` (see the module docstring), reusing an existing result.
-    ``num_proc`` processes tokenize and pack. Raises ValueError naming the fault and the fix."""
+    ``num_proc`` processes encode the examples (default: see ``_encode_procs``); packing runs in
+    one, so the rows never depend on it. Raises ValueError naming the fault and the fix."""
     from transformers import AutoTokenizer
 
     fingerprint = dataset_fingerprint(data, tokenizer_dir)
@@ -320,12 +333,12 @@ def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int 
         raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; packing needs one to end documents")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_ex, eval_ex = _split_examples(data, tokenizer, num_proc)
-    train_rows, totals = _rows(data, train_ex, pad_id, num_proc)
+    train_rows, totals = _rows(data, train_ex, pad_id)
     if len(train_rows) == 0:
         _refuse_empty(data, train_ex, "training")
     eval_rows = None
     if eval_ex is not None:
-        eval_rows, _ = _rows(data, eval_ex, pad_id, num_proc)
+        eval_rows, _ = _rows(data, eval_ex, pad_id)
         if len(eval_rows) == 0:
             _refuse_empty(data, eval_ex, "evaluation")
 

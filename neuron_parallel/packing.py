@@ -89,7 +89,8 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
     """Rows of whole documents with their own positions (see the module docstring) from a batch
     of ``ids`` and ``trained`` lists."""
     ids, offsets = _flat(table, "ids")
-    trained, _ = _flat(table, "trained")
+    # Text trains every token and carries no ``trained`` column.
+    trained = _flat(table, "trained")[0] if "trained" in table.column_names else np.ones(len(ids), dtype=np.int8)
     example, start, length, truncated = _pieces(offsets, block_size, split_long)
     # A token is a target when it is trained and not the first of its piece.
     tok_piece = np.repeat(np.arange(len(start)), length)

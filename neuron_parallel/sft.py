@@ -107,48 +107,115 @@ class Renderer:
     def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], template: str | None) -> None:
         self.data, self.tokenizer, self.columns, self.template = data, tokenizer, columns, template
         self.name = data.chat_template or f"the chat template of the tokenizer {tokenizer.name_or_path}"
+        self._compiled = None  # the fast path: None untried, False unavailable (see _render_fast)
 
-    def _render(self, messages: list[dict], where: str, generation: bool = False) -> str:
+    def _render_fast(self, conversations: list[list[dict]], generation: bool) -> list[str] | None:
+        """The template, compiled once by transformers' own compiler, rendered with the variables
+        ``apply_chat_template`` gives it (messages, add_generation_prompt, the special tokens).
+        ``apply_chat_template`` prepares every message for every call (most of its time on
+        conversations of a few turns); these messages are already plain dicts of strings, which
+        that preparation leaves as they are. Checked against ``apply_chat_template`` on the first
+        batch: any difference, or a transformers without the compiler, keeps the slow path."""
+        if self._compiled is False:
+            return None
+        if self._compiled is None:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                self._compiled = _compile_jinja_template(self.template)
+            except Exception:
+                self._compiled = False
+                return None
+            probe = conversations[:8]
+            kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
+            try:
+                same = self.tokenizer.apply_chat_template(probe, **kw) == self._fast(probe, generation)
+            except Exception:
+                same = False
+            if not same:
+                self._compiled = False
+                return None
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, chat_template=self.template, add_generation_prompt=generation
-            )
-        except Exception as e:  # a template's own refusal (raise_exception) or a Jinja error
-            raise ValueError(f"{where}: {self.name} cannot render this conversation: {e}") from None
+            return self._fast(conversations, generation)
+        except Exception:
+            return None  # the slow path renders them again and names a refused row
 
-    def chat(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the span of every assistant turn (see the module docstring)."""
-        full = self._render(messages, where)
+    def _fast(self, conversations: list[list[dict]], generation: bool) -> list[str]:
+        special = self.tokenizer.special_tokens_map
+        return [self._compiled.render(messages=c, add_generation_prompt=generation, **special) for c in conversations]
+
+    def _render_many(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
+        """Render ``conversations`` in one ``apply_chat_template`` call (its per-call work is paid
+        once per batch); when the template refuses one, render them one by one to name it."""
+        if not conversations:
+            return []
+        fast = self._render_fast(conversations, generation) if all(conversations) else None
+        if fast is not None:
+            return fast
+        kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
+        try:
+            return self.tokenizer.apply_chat_template(conversations, **kw)
+        except Exception:
+            for conversation, where in zip(conversations, wheres):
+                try:
+                    self.tokenizer.apply_chat_template(conversation, **kw)
+                except Exception as e:  # a template's own refusal (raise_exception) or a Jinja error
+                    raise ValueError(f"{where}: {self.name} cannot render this conversation: {e}") from None
+            raise
+
+    def chats(self, conversations: list[list[dict]], wheres: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Each rendered conversation and the span of every assistant turn (see the module
+        docstring): the whole conversation, and for each assistant turn k the first k messages
+        with the generation prompt and the first k + 1, rendered in three batched calls."""
+        full = self._render_many(conversations, wheres, False)
         if self.data.train_on_prompt:
-            return full, [(0, len(full))]
-        spans = []
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self._render(messages[:k], where, generation=True)
-            upto = self._render(messages[: k + 1], where)
-            if not (upto.startswith(before) and full.startswith(upto)):
+            return [(text, [(0, len(text))]) for text in full]
+        turns = [(i, k) for i, c in enumerate(conversations) for k, m in enumerate(c) if m["role"] == "assistant"]
+        before = self._render_many([conversations[i][:k] for i, k in turns], [wheres[i] for i, _ in turns], True)
+        # The first k + 1 messages of a conversation that ends there are the whole conversation.
+        partial = [(i, k) for i, k in turns if k + 1 < len(conversations[i])]
+        through_k = [conversations[i][: k + 1] for i, k in partial]
+        upto = dict(zip(partial, self._render_many(through_k, [wheres[i] for i, _ in partial], False)))
+        spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
+        for (i, k), head in zip(turns, before):
+            through = upto.get((i, k), full[i])
+            if not (through.startswith(head) and full[i].startswith(through)):
                 raise ValueError(
-                    f"{where}: {self.name} does not render a conversation as the concatenation of its turns (the "
+                    f"{wheres[i]}: {self.name} does not render a conversation as the concatenation of its turns (the "
                     f"rendering of the first {k} messages plus the generation prompt is not a prefix of the rendering "
                     f"of the first {k + 1}, or that of the whole), so the assistant turns cannot be located; use a "
                     "template that does (neuron_parallel/chat_templates/), or set data.train_on_prompt: true"
                 )
-            spans.append((len(before), len(upto)))
-        return full, spans
+            spans[i].append((len(head), len(through)))
+        return list(zip(full, spans))
 
-    def __call__(self, row: dict, where: str) -> tuple[str, list[tuple[int, int]], bool]:
+    def batch(self, rows: list[dict], wheres: list[str]) -> list[tuple[str, list[tuple[int, int]], bool]]:
+        """Every row rendered: ``(text, trained character spans, append EOS)``."""
+        out: list = [None] * len(rows)
+        chats: list[tuple[int, list[dict]]] = []
+        for j, (row, where) in enumerate(zip(rows, wheres)):
+            rendered = self._one(row, where)
+            if isinstance(rendered, list):
+                chats.append((j, rendered))
+            else:
+                out[j] = rendered
+        results = self.chats([c for _, c in chats], [wheres[j] for j, _ in chats])
+        for (j, _), (text, spans) in zip(chats, results):
+            out[j] = (text, spans, False)
+        return out
+
+    def _one(self, row: dict, where: str) -> list[dict] | tuple[str, list[tuple[int, int]], bool]:
+        """A conversation to render (chat, or instruction with a template), or the rendered row."""
         c = self.columns
         if self.data.format == "chat":
-            return (*self.chat(check_messages(row[c["messages"]], where), where), False)
+            return check_messages(row[c["messages"]], where)
         prompt, response = _string(row, c["prompt"], where), _string(row, c["response"], where)
         if self.data.format == "prompt_completion":
             return prompt + response, [(0 if self.data.train_on_prompt else len(prompt), len(prompt + response))], True
         context = _string(row, c["input"], where) if c["input"] else ""
         if self.template is not None:
             user = prompt + ("\n\n" + context if context else "")
-            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
-            return (*self.chat(turns, where), False)
+            return [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
         head = f"### Instruction:\n{prompt}\n\n" + (f"### Input:\n{context}\n\n" if context else "") + "### Response:\n"
         return head + response, [(0 if self.data.train_on_prompt else len(head), len(head + response))], True
 
@@ -164,7 +231,8 @@ def _string(row: dict, column: str, where: str) -> str:
 
 class Encoder:
     """The batched ``datasets.map`` function of one source: ``{"ids", "trained"}`` per example
-    (``trained`` is 1 where the token carries loss as a target). Picklable for ``num_proc``."""
+    (``trained`` is 1 where the token carries loss as a target; text, which trains every token,
+    has no ``trained``). Picklable for ``num_proc``."""
 
     def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], where: str) -> None:
         self.data, self.tokenizer, self.columns, self.where = data, tokenizer, columns, where
@@ -185,14 +253,21 @@ class Encoder:
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         if self.render is None:
-            ids = self.tokenizer(batch[self.columns["text"]], add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [self.eos] for x in ids], "trained": [[1] * (len(x) + 1) for x in ids]}
+            texts = batch[self.columns["text"]]
+            if self.tokenizer.is_fast:
+                ids = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+            else:
+                ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return {"ids": [x + [self.eos] for x in ids]}
         rows = [{k: batch[k][i] for k in batch} for i in range(len(indices))]
-        rendered = [self.render(row, f"{self.where} row {i}") for row, i in zip(rows, indices)]
-        enc = self.tokenizer([text for text, _, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        rendered = self.render.batch(rows, [f"{self.where} row {i}" for i in indices])
+        # The Rust tokenizer itself (what the fast tokenizer's __call__ runs): its encodings carry
+        # ids and offsets without the conversion to Python lists of every other field.
+        encodings = self.tokenizer.backend_tokenizer.encode_batch([t for t, _, _ in rendered], add_special_tokens=False)
         out_ids, out_trained = [], []
-        for (_, spans, eos), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
-            trained = in_spans(np.asarray([s for s, _ in offsets], dtype=np.int64), spans)
+        for (_, spans, eos), enc in zip(rendered, encodings):
+            ids = enc.ids
+            trained = in_spans(np.asarray([s for s, _ in enc.offsets], dtype=np.int64), spans)
             if eos:
                 ids, trained = ids + [self.eos], np.append(trained, True)
             out_ids.append(ids)

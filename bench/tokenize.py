@@ -1,0 +1,494 @@
+"""Benchmark: our tokenize step (``neuron_parallel.data.tokenize_data``) against raw ``tokenizers``
+batch encoding of the same texts on the same cores. Goal: ours >= 0.8x the baseline's throughput.
+
+    .venv/bin/python bench/tokenize.py [--size-mb 20] [--chat-size-mb 5] [--repeats 3] [--threads N]
+                                       [--block-size 1024] [--num-proc N] [--profile auto|always|never]
+                                       [--cases text,chat] [--workdir DIR] [--keep]
+
+Inputs, built offline and untimed: the tiny world (``neuron_parallel.tiny.make_tiny_world``; its
+byte-level BPE tokenizer in ``model/``), then
+  - text: the pydoc corpus (``corpus_documents()``) repeated to ``--size-mb`` MB of text, one
+    document per JSONL row;
+  - chat: the world's ``chat.jsonl`` (300 multi-turn conversations) repeated to ``--chat-size-mb``.
+
+Cases and what each timed region holds:
+  1. text, stream packing: ``DataConfig(source=text.jsonl, format="text", block_size=B)``.
+  2. chat, packed by document: ``DataConfig(source=chat.jsonl, format="chat",
+     chat_template=<world>/chat_templates/llama3.jinja, block_size=B)`` (the Llama 3 template
+     of ``neuron_parallel/chat_templates``, as ``make_tiny_world`` copies it).
+  - ours: the whole ``tokenize_data(DataConfig(..., cache_dir=<fresh dir>), model_dir,
+    num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (``datasets``),
+    rendering and masking (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows.
+    ``datasets``' own cache (HF_DATASETS_CACHE) is a fresh directory too, so nothing is reused.
+    Imports, and one load of the tokenizer (transformers imports its modules on first use), happen
+    before the timed region.
+  - baseline: only ``Tokenizer.from_file(model/tokenizer.json).encode_batch(texts,
+    add_special_tokens=False)`` over exactly the texts ours tokenizes: the documents (text) or the
+    rendered conversations (chat). The texts are read, and for chat rendered with
+    ``AutoTokenizer.apply_chat_template(messages, tokenize=False, chat_template=<llama3.jinja>)``,
+    before the timed region, and the tokenizer is loaded before it too: the baseline is given file
+    reading, rendering and output for free (the render time is reported, not counted).
+
+Method: every measurement runs in its own subprocess (``bench_util.run_child``), pinned to the same
+cores with the same thread settings (``RAYON_NUM_THREADS=--threads``, tokenizers' parallelism on
+when threads > 1, ``OMP_NUM_THREADS``), so neither warms the other; for each repeat and case the
+two alternate (baseline first on even repeats, ours first on odd ones), and the table reports
+medians. Ratio = baseline seconds / our seconds = our tokens/s / baseline tokens/s over the same
+texts; for information the table adds the ratio of CPU seconds (all threads, ``getrusage``), which
+other load on the machine disturbs less, and each run records how long its threads waited,
+runnable, for a core (``/proc/self/task/*/schedstat``, the main process only): the other load it met. Token counts are
+checked to agree: ours counts one EOS per text document more (the stream ends each document with
+EOS); chat adds none. When a case misses the goal (or with ``--profile always``), one more run of
+ours under cProfile (not in the table) shows where its time goes.
+Prints the table, the load average before and after, cores and threads; writes
+bench/results/tokenize.json.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the standard library's ``tokenize`` (which ``inspect``, ``linecache`` and
+# so ``transformers`` import): put its directory behind the standard library on sys.path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from statistics import median  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GOAL = 0.8
+CASES = ("text", "chat")
+HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of the profile
+    ("fingerprint (sha256 of sources)", "neuron_parallel/data.py", "dataset_fingerprint"),
+    ("tokenizer load", "transformers/tokenization_utils_base.py", "from_pretrained"),
+    ("read source (load_dataset)", "datasets/load.py", "load_dataset"),
+    ("datasets map (encode + pack)", "datasets/arrow_dataset.py", "map"),
+    ("  Encoder.__call__ (render+tokenize+mask)", "neuron_parallel/sft.py", "__call__"),
+    ("    Renderer.chats (renders, spans)", "neuron_parallel/sft.py", "chats"),
+    ("      apply_chat_template", "transformers/tokenization_utils_base.py", "apply_chat_template"),
+    ("    tokenizer call (transformers)", "transformers/tokenization_utils_fast.py", "_batch_encode_plus"),
+    ("    tokenizer call (transformers)", "transformers/tokenization_utils_tokenizers.py", "_encode_plus"),
+    ("      encode_batch (Rust)", "~", "encode_batch"),
+    ("      Encodings -> Python lists", "transformers/tokenization_utils_tokenizers.py", "_convert_encoding"),
+    ("    in_spans (mask)", "neuron_parallel/sft.py", "in_spans"),
+    ("  arrow writer (lists -> Arrow)", "datasets/arrow_writer.py", "write_batch"),
+    ("  stream_rows", "neuron_parallel/packing.py", "stream_rows"),
+    ("  document_rows", "neuron_parallel/packing.py", "document_rows"),
+    ("    _greedy (per-document loop)", "neuron_parallel/packing.py", "_greedy"),
+    ("audit", "neuron_parallel/audit.py", "build_audit"),
+    ("save_to_disk", "datasets/arrow_dataset.py", "save_to_disk"),
+)
+
+# --------------------------------------------------------------------------------------------
+# The child: one measurement in a fresh process
+
+
+def _cpu_s() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _waits() -> dict[str, int]:
+    """Nanoseconds each thread of this process has waited, runnable, for a core (schedstat)."""
+    out = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            out[task.name] = int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _waited_s(before: dict[str, int]) -> float:
+    """Seconds this process's threads waited for a core since ``before`` (threads that ended are lost)."""
+    return sum(ns - before.get(tid, 0) for tid, ns in _waits().items()) / 1e9
+
+
+def _setup(spec: dict) -> None:
+    """Threads, cores and a fresh ``datasets`` cache, before anything reads them."""
+    threads = spec["threads"]
+    os.environ.update(
+        TOKENIZERS_PARALLELISM="true" if threads > 1 else "false",
+        RAYON_NUM_THREADS=str(threads),
+        OMP_NUM_THREADS=str(threads),
+        HF_DATASETS_CACHE=spec["hf_cache"],
+    )
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec["cores"])
+
+
+def _data_config(spec: dict):
+    from neuron_parallel.config import DataConfig
+
+    chat = spec["case"] == "chat"
+    return DataConfig(
+        source=spec["source"],
+        format="chat" if chat else "text",
+        chat_template=spec["chat_template"] if chat else None,
+        block_size=spec["block_size"],
+        cache_dir=spec["cache_dir"],
+    )
+
+
+def child_ours(spec: dict) -> dict:
+    """``tokenize_data`` once, timed as a whole (optionally under cProfile)."""
+    import cProfile
+
+    from datasets import load_dataset  # noqa: F401  (imports are not part of the timed region)
+    from transformers import AutoTokenizer
+
+    from neuron_parallel.data import tokenize_data
+
+    # transformers imports its modules lazily, on first use: one untimed load pays for that.
+    AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    data = _data_config(spec)
+    prof = cProfile.Profile() if spec.get("profile") else None
+    c0, w0, t0 = _cpu_s(), _waits(), time.perf_counter()
+    if prof:
+        prof.enable()
+    ds = tokenize_data(data, spec["tokenizer_dir"], num_proc=spec["num_proc"])
+    if prof:
+        prof.disable()
+    seconds, cpu, waited = time.perf_counter() - t0, _cpu_s() - c0, _waited_s(w0)
+    audit = {k: v for k, v in ds.audit.items() if k != "sample"}
+    res = {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "waited_s": waited,
+        "tokens": ds.num_tokens,
+        "rows": ds.num_blocks,
+        "audit": audit,
+    }
+    if prof:
+        res["profile"] = _profile_summary(prof, seconds)
+    return res
+
+
+def _texts(spec: dict) -> tuple[list[str], float]:
+    """The texts ours tokenizes, and the seconds spent rendering them (chat)."""
+    with open(spec["source"]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if spec["case"] == "text":
+        return [r["text"] for r in rows], 0.0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    template = Path(spec["chat_template"]).read_text()
+    t0 = time.perf_counter()
+    texts = [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=template) for r in rows]
+    return texts, time.perf_counter() - t0
+
+
+def child_baseline(spec: dict) -> dict:
+    """``encode_batch`` of the texts once; reading, rendering and loading happen before the clock."""
+    from tokenizers import Tokenizer
+
+    texts, render_s = _texts(spec)
+    t0 = time.perf_counter()
+    tok = Tokenizer.from_file(str(Path(spec["tokenizer_dir"]) / "tokenizer.json"))
+    load_s = time.perf_counter() - t0
+    c0, w0, t0 = _cpu_s(), _waits(), time.perf_counter()
+    encodings = tok.encode_batch(texts, add_special_tokens=False)
+    seconds, cpu, waited = time.perf_counter() - t0, _cpu_s() - c0, _waited_s(w0)
+    tokens = sum(len(e.ids) for e in encodings)
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "waited_s": waited,
+        "tokens": tokens,
+        "texts": len(texts),
+        "render_s": render_s,
+        "load_s": load_s,
+    }
+
+
+def _profile_summary(prof, total: float, top: int = 25) -> dict:
+    """Top functions by own and cumulative time, and the cumulative time of the steps in HOTSPOTS."""
+    import io
+    import pstats
+
+    stats = pstats.Stats(prof)
+    tables = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
+        tables[key] = buf.getvalue().split("   ncalls", 1)[-1].join(["   ncalls", ""])
+    steps = []
+    for label, fragment, name in HOTSPOTS:
+        found = [
+            v[3]
+            for (path, _, fn), v in stats.stats.items()
+            if path.endswith(fragment) and (fn == name or (path == "~" and f"'{name}'" in fn))
+        ]
+        if found:
+            steps.append({"step": label, "cumulative_s": max(found), "fraction": max(found) / total})
+    return {"total_s": total, "steps": steps, "top_tottime": tables["tottime"], "top_cumulative": tables["cumulative"]}
+
+
+def child_main(argv: list[str]) -> None:
+    """``--child ours|baseline SPEC.json``: one measurement; its result goes to ``spec["result"]``."""
+    kind, spec = argv[0], json.loads(Path(argv[1]).read_text())
+    _setup(spec)
+    res = child_ours(spec) if kind == "ours" else child_baseline(spec)
+    Path(spec["result"]).write_text(json.dumps(res))
+
+
+# --------------------------------------------------------------------------------------------
+# The parent: build the inputs, alternate the measurements, report
+
+
+def build_inputs(work: Path, size_mb: float, chat_size_mb: float) -> dict:
+    """The tiny world, the text corpus and the chat set at the requested sizes (untimed)."""
+    from neuron_parallel.tiny import TEMPLATES, corpus_documents, make_tiny_world
+
+    world = make_tiny_world(work / "world")
+    # The world's copy of the Llama 3 template where it makes one, else the library's own.
+    template = Path(world.get("chat_templates", TEMPLATES)) / "llama3.jinja"
+    docs = corpus_documents()
+    reps = max(1, round(size_mb * 1e6 / sum(len(d.encode()) for d in docs)))
+    text = work / "text.jsonl"
+    with text.open("w") as f:
+        for _ in range(reps):
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    lines = Path(world["chat"]).read_text().splitlines(keepends=True)
+    chat_reps = max(1, round(chat_size_mb * 1e6 / sum(len(x.encode()) for x in lines)))
+    chat = work / "chat.jsonl"
+    chat.write_text("".join(lines) * chat_reps)
+    return {
+        "tokenizer_dir": world["model"],
+        "chat_template": str(template),
+        "text": {"source": str(text), "documents": len(docs) * reps, "file_mb": text.stat().st_size / 1e6},
+        "chat": {"source": str(chat), "documents": len(lines) * chat_reps, "file_mb": chat.stat().st_size / 1e6},
+        "text_mb": reps * sum(len(d.encode()) for d in docs) / 1e6,
+    }
+
+
+class Runner:
+    """Starts the measurements, each in its own subprocess with fresh scratch directories."""
+
+    def __init__(self, work: Path, inputs: dict, args: argparse.Namespace, cores: list[int]) -> None:
+        self.work, self.inputs, self.args, self.cores = work, inputs, args, cores
+        self.count = 0
+
+    def measure(self, kind: str, case: str, *, profile: bool = False) -> dict:
+        """One measurement in its own subprocess; its scratch directories are removed after."""
+        from bench_util import log, run_child  # the parent's only: it imports the trainer (torchrun launcher)
+
+        self.count += 1
+        scratch = self.work / f"run-{self.count}-{kind}-{case}"
+        scratch.mkdir()
+        spec = {
+            "case": case,
+            "source": self.inputs[case]["source"],
+            "tokenizer_dir": self.inputs["tokenizer_dir"],
+            "chat_template": self.inputs["chat_template"],
+            "block_size": self.args.block_size,
+            "num_proc": self.args.num_proc,
+            "threads": self.args.threads,
+            "cores": self.cores,
+            "cache_dir": str(scratch / "cache"),
+            "hf_cache": str(scratch / "hf_datasets_cache"),
+            "result": str(scratch / "result.json"),
+            "profile": profile,
+        }
+        (scratch / "spec.json").write_text(json.dumps(spec))
+        load = os.getloadavg()[0]
+        cmd = [sys.executable, __file__, "--child", kind, str(scratch / "spec.json")]
+        wall, _ = run_child(cmd, threads=self.args.threads, timeout=900, label=f"{kind} {case}")
+        res = json.loads(Path(spec["result"]).read_text())
+        shutil.rmtree(scratch, ignore_errors=True)
+        res.update(kind=kind, case=case, process_wall_s=wall, loadavg_1min_before=load)
+        if not profile:
+            log(
+                f"{case:<5} {kind:<8} {res['seconds']:7.2f}s  cpu {res['cpu_s']:6.2f}s  "
+                f"waited {res['waited_s']:5.2f}s  {res['tokens']:>11,} tokens  "
+                f"(process {wall:.1f}s, load {load:.2f})"
+            )
+        return res
+
+
+def summarise(case: str, runs: list[dict], documents: int) -> dict:
+    base = [r for r in runs if r["case"] == case and r["kind"] == "baseline"]
+    ours = [r for r in runs if r["case"] == case and r["kind"] == "ours"]
+    base_s, ours_s = median([r["seconds"] for r in base]), median([r["seconds"] for r in ours])
+    base_tokens, ours_tokens = base[0]["tokens"], ours[0]["tokens"]
+    extra = documents if case == "text" else 0  # the stream's EOS after every document
+    ratio = base_s / ours_s
+    return {
+        "baseline_s": base_s,
+        "ours_s": ours_s,
+        "baseline_s_all": [r["seconds"] for r in base],
+        "ours_s_all": [r["seconds"] for r in ours],
+        "baseline_cpu_s": median([r["cpu_s"] for r in base]),
+        "ours_cpu_s": median([r["cpu_s"] for r in ours]),
+        "baseline_waited_s": median([r["waited_s"] for r in base]),
+        "ours_waited_s": median([r["waited_s"] for r in ours]),
+        "baseline_tokens": base_tokens,
+        "ours_tokens": ours_tokens,
+        "expected_extra_eos": extra,
+        "tokens_agree": ours_tokens - base_tokens == extra and len({r["tokens"] for r in base + ours}) <= 2,
+        "baseline_tokens_per_s": base_tokens / base_s,
+        "ours_tokens_per_s": base_tokens / ours_s,
+        "render_s": median([r["render_s"] for r in base]),
+        "ratio": ratio,
+        "cpu_ratio": median([r["cpu_s"] for r in base]) / median([r["cpu_s"] for r in ours]),
+        "goal": GOAL,
+        "met": ratio >= GOAL,
+        "audit": ours[0]["audit"],
+    }
+
+
+def print_table(report: dict) -> None:
+    s, inp = report["summary"], report["inputs"]
+    print()
+    print(
+        f"inputs: text {inp['text_mb']:.1f} MB ({inp['text']['documents']:,} documents), chat "
+        f"{inp['chat']['file_mb']:.1f} MB JSONL ({inp['chat']['documents']:,} conversations); block_size "
+        f"{report['args']['block_size']}, num_proc {report['args']['num_proc']}"
+    )
+    h = report["host"]
+    print(
+        f"cores {h['cores_used']} of {h['cpus']} (pinned {h['cores_pinned']}), threads {h['threads']}; "
+        f"load average (1/5/15 min) before {h['loadavg_before']} -> after {h['loadavg_after']}; "
+        f"{report['args']['repeats']} repeats, medians"
+    )
+    print()
+    hdr = (
+        f"{'case':<20}{'baseline s':>11}{'ours s':>9}{'tokens':>13}{'base Mtok/s':>13}{'ours Mtok/s':>13}"
+        f"{'ratio':>8}{'goal':>6}  result{'cpu ratio':>11}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    names = {"text": "text (stream)", "chat": "chat (documents)"}
+    for case, r in s.items():
+        print(
+            f"{names[case]:<20}{r['baseline_s']:>11.2f}{r['ours_s']:>9.2f}{r['baseline_tokens']:>13,}"
+            f"{r['baseline_tokens_per_s'] / 1e6:>13.2f}{r['ours_tokens_per_s'] / 1e6:>13.2f}{r['ratio']:>7.2f}x"
+            f"{GOAL:>6}  {'PASS' if r['met'] else 'FAIL':<6}{r['cpu_ratio']:>10.2f}x"
+        )
+    print(
+        "ratio = baseline s / ours s (the goal); cpu ratio (info) = baseline / ours CPU seconds of all threads, "
+        "less disturbed by other load but blind to how well the cores are used"
+    )
+    print()
+    for case, r in s.items():
+        print(
+            f"{case}: tokens baseline {r['baseline_tokens']:,}, ours {r['ours_tokens']:,} (+{r['expected_extra_eos']:,}"
+            f" EOS expected): {'agree' if r['tokens_agree'] else 'DISAGREE'}; cpu s baseline {r['baseline_cpu_s']:.2f}"
+            f", ours {r['ours_cpu_s']:.2f}; waited for a core s baseline {r['baseline_waited_s']:.2f}, ours "
+            f"{r['ours_waited_s']:.2f}; runs baseline {_fmt(r['baseline_s_all'])}, ours {_fmt(r['ours_s_all'])}"
+        )
+    if "chat" in s:
+        r = s["chat"]
+        print(
+            f"chat: the baseline is given rendering for free ({r['render_s']:.2f}s, one render per conversation); "
+            f"counted in, the ratio would be {(r['baseline_s'] + r['render_s']) / r['ours_s']:.2f}x"
+        )
+
+
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in xs)
+
+
+def print_profile(case: str, prof: dict) -> None:
+    print(
+        f"\n[profile] ours, {case}: {prof['total_s']:.2f}s under cProfile (not in the table; it inflates Python code)"
+    )
+    for step in prof["steps"]:
+        print(f"  {step['step']:<44}{step['cumulative_s']:>8.2f}s {step['fraction']:>6.1%}")
+    print(f"  top by own time:\n{prof['top_tottime']}")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=float, default=20.0, help="text corpus size in MB of text (default 20)")
+    ap.add_argument("--chat-size-mb", type=float, default=5.0, help="chat JSONL size in MB (default 5)")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements of each side per case (default 3)")
+    ap.add_argument("--threads", type=int, default=len(_allowed_cores()), help="threads = cores (default: all)")
+    ap.add_argument("--block-size", type=int, default=1024)
+    ap.add_argument("--num-proc", type=int, default=None, help="tokenize_data's num_proc (default None, as the flow)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of text,chat")
+    ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto", help="auto: cases that fail")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the inputs go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the inputs")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "tokenize.json")
+    return ap.parse_args()
+
+
+def _allowed_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    cases = [c for c in args.cases.split(",") if c]
+    from bench_util import log
+
+    cores = _allowed_cores()[: args.threads]
+    t0 = time.perf_counter()
+    inputs = build_inputs(work, args.size_mb, args.chat_size_mb)
+    log(
+        f"built inputs in {time.perf_counter() - t0:.0f}s: text {inputs['text_mb']:.1f} MB, "
+        f"chat {inputs['chat']['file_mb']:.1f} MB"
+    )
+    host = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "cores_used": len(cores),
+        "cores_pinned": cores,
+        "threads": args.threads,
+        "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    runner = Runner(work, inputs, args, cores)
+    runs = []
+    for rep in range(args.repeats):
+        for case in cases:
+            order = ("baseline", "ours") if rep % 2 == 0 else ("ours", "baseline")
+            runs.extend(runner.measure(kind, case) for kind in order)
+    host["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    summary = {c: summarise(c, runs, inputs[c]["documents"]) for c in cases}
+    report = {"host": host, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    report.update(inputs=inputs, runs=runs, summary=summary, profiles={})
+    print_table(report)
+    for case in cases:
+        if args.profile == "always" or (args.profile == "auto" and not summary[case]["met"]):
+            report["profiles"][case] = runner.measure("ours", case, profile=True)["profile"]
+            print_profile(case, report["profiles"][case])
+    return report
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2:])
+        return
+    args = parse_args()
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tokenize-bench-", dir=args.workdir))
+    started = time.perf_counter()
+    try:
+        report = run(args, work)
+        report["total_s"] = time.perf_counter() - started
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(report, indent=1))
+        print(f"\n[bench] wrote {args.results} ({report['total_s']:.0f}s in all)")
+    finally:
+        if args.keep:
+            print(f"[bench] kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
