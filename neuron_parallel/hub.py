@@ -38,13 +38,15 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from .checkpoint.output import OWNER_FILE
+
 __all__ = ["HubCommit", "upload_model", "write_model_card"]
 
 # Endpoints that speak Xet. Any other endpoint (a self-hosted Hub, a test server) gets plain LFS uploads.
 _XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
 # What upload_folder skips by default: git metadata, and the bookkeeping hf_hub_download(local_dir=...) writes.
 _SKIPPED_DIRS = (".git",)
-_SKIPPED_PREFIXES = (".cache/huggingface/",)
+_SKIPPED_PREFIXES = (".cache/huggingface/", OWNER_FILE)
 _ADAPTER_CONFIG = "adapter_config.json"
 _MERGED = "merged"  # where a LoRA run's merged model sits beside its adapter (checkpoint.adapter.MERGED_SUBDIR)
 

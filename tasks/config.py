@@ -25,6 +25,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     create_model,
+    field_validator,
     model_validator,
     with_config,
 )
@@ -115,9 +116,29 @@ class OutputSection(_Section):
         description="Run directory: metrics, checkpoints, consolidated model. {flow_run_name} and {flow_run_id} "
         "become the Prefect flow run's, so every run has its own directory and a retry of a run continues in it.",
     )
-    consolidated_dir: str | None = Field(None, description="Default: <output.dir>/consolidated.")
+    consolidated_dir: str | None = Field(
+        None,
+        description="Default: <output.dir>/consolidated. A new or empty directory (or an earlier neuron-flows "
+        "output): a folder holding other files is refused, never overwritten.",
+    )
     format: Literal["safetensors", "pytorch"] = "safetensors"
     max_shard_size: str = "5GB"
+
+    @field_validator("consolidated_dir")
+    @classmethod
+    def _not_a_users_folder(cls, value: str | None) -> str | None:
+        """Consolidation refuses such a folder too (``claim_output_dir``); this says so at load,
+        before hours of training, rather than after."""
+        if value and "{flow_run" not in value:
+            from neuron_parallel.checkpoint.output import is_ours
+
+            path = Path(value).expanduser()
+            if path.is_file() or (path.is_dir() and any(path.iterdir()) and not is_ours(path)):
+                raise ValueError(
+                    f"{value!r} already holds files neuron-flows did not write (consolidation would refuse to write "
+                    "there after training); name a new or empty directory, or unset it (output.dir/consolidated)"
+                )
+        return value
 
 
 class HubSection(_Section):
@@ -134,6 +155,22 @@ class HubSection(_Section):
         description="LoRA runs: consolidate and upload the peft adapter, the base model with the adapters "
         "merged in, or both (the merged model in the repo's merged/ folder). Full fine-tuning uploads the model.",
     )
+
+    @field_validator("repo_id")
+    @classmethod
+    def _valid_repo_id(cls, value: str | None) -> str | None:
+        """A repo id the Hub would refuse is refused here, before any data is read or trained on."""
+        if value:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(value)
+            except HFValidationError as e:
+                raise ValueError(
+                    f"{value!r} is not a Hub repo id ({str(e).splitlines()[0]}); write it as "
+                    "user-or-org/name with letters, digits, '-', '_' and '.', e.g. my-org/llama-ft"
+                ) from None
+        return value
 
 
 SECTIONS = {

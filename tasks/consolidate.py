@@ -2,13 +2,13 @@
 adapter, the merged model or both, as ``hub.upload`` says)."""
 
 import shutil
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.transactions import get_transaction
 
 from neuron_parallel.checkpoint import consolidate_checkpoint
 from neuron_parallel.checkpoint.adapter import export_lora
+from neuron_parallel.checkpoint.output import is_ours
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
@@ -40,5 +40,5 @@ def _remove_consolidated(txn) -> None:
     """A later step of the transaction (the upload) failed: remove the directory, so that what
     is on disk never claims to be a published model and a retry consolidates afresh."""
     path = txn.get("model_dir", None)
-    if path and Path(path).is_dir():
+    if path and is_ours(path):  # only a directory neuron-flows wrote (never a folder of the user's)
         shutil.rmtree(path)

@@ -30,6 +30,7 @@ import torch
 from .consolidate import write_hf_dir, write_safetensors
 from .engine_state import base_model_identity
 from .format import HF_FILES, Manifest, resolve_checkpoint
+from .output import claim_output_dir, is_ours
 from .tensors import CheckpointTensors, HFWeights, dtype_from_name
 from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint
 
@@ -161,8 +162,7 @@ def export_adapter(
     ``base_model_name_or_path`` says (default: the base model directory the manifest records),
     ``base_model_revision`` its Hub revision."""
     tensors = open_adapter_checkpoint(checkpoint)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(out_dir)
     _remove(out, _MODEL_FILES)
     source = AdapterSource(tensors)
     write_safetensors(out / ADAPTER_WEIGHTS, source.plan(), source)
@@ -302,9 +302,9 @@ def export_lora(
     (e.g. the run's ``model.name_or_path``); merging always reads the base the manifest records."""
     if kind not in ("adapter", "merged", "both"):
         raise ValueError(f"hub.upload {kind!r} is not one of adapter, merged, both")
-    out = Path(out_dir)
+    out = claim_output_dir(out_dir)
     merged = out / MERGED_SUBDIR
-    if kind != "both" and merged.is_dir():
+    if kind != "both" and is_ours(merged):
         shutil.rmtree(merged)  # an earlier attempt's
     if kind == "merged":
         return merge_adapter(checkpoint, out, fmt=fmt, max_shard_size=max_shard_size)

@@ -26,6 +26,7 @@ import torch
 from .format import HF_FILES, Manifest, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
+from .output import claim_output_dir
 from .tensors import CheckpointTensors, dtype_from_name, safetensors_dtype
 from .validate import validate_checkpoint
 
@@ -221,8 +222,7 @@ def write_hf_dir(
         raise ValueError(f"format {fmt!r} is not one of ('safetensors', 'pytorch')")
     limit = parse_size(max_shard_size)
     plan = source.plan()
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(output_dir)  # never a directory of someone else's files
     for stale in (
         list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin"))
     ):

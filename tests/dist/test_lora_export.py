@@ -15,6 +15,7 @@ import torch
 from neuron_flows.flows.cli import main as cli
 from neuron_parallel.checkpoint import CheckpointTensors, HFWeights, consolidate_checkpoint, validate_checkpoint
 from neuron_parallel.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from neuron_parallel.checkpoint.output import OWNER_FILE
 from neuron_parallel.config import LoraConfig
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, load_config, load_weights, materialize
 from neuron_parallel.parallel.lora import add_lora, is_adapter
@@ -87,7 +88,8 @@ def test_peft_loads_the_exported_adapter_and_computes_the_training_models_logits
     base_dir, ckpt = trained
     out = consolidate_checkpoint(ckpt, tmp_path / "adapter")
     tokenizer = {"tokenizer.json", "tokenizer_config.json"}
-    assert {p.name for p in out.iterdir()} - {"chat_template.jinja"} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, *tokenizer}
+    expected = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, OWNER_FILE, *tokenizer}
+    assert {p.name for p in out.iterdir()} - {"chat_template.jinja"} == expected
     model = load_peft(base_dir, out)
     # Every key peft's model has for this adapter is in the file, and nothing else, with our values.
     saved = load_peft_weights(str(out))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from neuron_flows.tasks.config import FinetuneConfig
+from neuron_parallel.checkpoint.output import OWNER_FILE
 
 from ..hub_server import LocalHub
 
@@ -71,6 +72,7 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     # What the Hub holds is byte for byte what was consolidated.
     snap = Path(snapshot_download(repo, endpoint=hub.url, token=hub.token, cache_dir=tmp_path / "hf-cache"))
     local = {p.relative_to(consolidated).as_posix(): _sha(p) for p in consolidated.rglob("*") if p.is_file()}
+    assert local.pop(OWNER_FILE)  # the marker of a directory neuron-flows wrote stays local
     remote = {p.relative_to(snap).as_posix(): _sha(p) for p in snap.rglob("*") if p.is_file()}
     assert remote.pop(".gitattributes")  # the Hub's own, created with the repo
     assert remote == local
