@@ -124,6 +124,13 @@ class OutputSection(_Section):
     format: Literal["safetensors", "pytorch"] = "safetensors"
     max_shard_size: str = "5GB"
 
+    @field_validator("dir")
+    @classmethod
+    def _not_a_file(cls, value: str) -> str:
+        if Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is a file; output.dir names the run's directory (new, or an earlier run's)")
+        return value
+
     @field_validator("consolidated_dir")
     @classmethod
     def _not_a_users_folder(cls, value: str | None) -> str | None:
@@ -155,6 +162,22 @@ class HubSection(_Section):
         description="LoRA runs: consolidate and upload the peft adapter, the base model with the adapters "
         "merged in, or both (the merged model in the repo's merged/ folder). Full fine-tuning uploads the model.",
     )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _https(cls, value: str | None) -> str | None:
+        """The Hub token goes with every request: only over TLS, or to this machine itself."""
+        if value:
+            from urllib.parse import urlparse
+
+            url = urlparse(value)
+            local = url.hostname in ("localhost", "127.0.0.1", "::1")
+            if url.scheme != "https" and not (url.scheme == "http" and local):
+                raise ValueError(
+                    f"{value!r} is not an https:// URL; the Hub token would travel unencrypted. Use https://…, or "
+                    "http:// only for a server on this machine (localhost)"
+                )
+        return value
 
     @field_validator("repo_id")
     @classmethod
@@ -201,7 +224,13 @@ class FinetuneConfig(_Section):
         self.library("data")
         self.to_launch()
         # An auto micro batch is chosen (and checked) with the layout.
-        check_eval(self.library("data"), self.library("train", micro_batch_size=1))
+        train = self.library("train", micro_batch_size=1)
+        check_eval(self.library("data"), train)
+        if train.resume_from and "{flow_run" not in train.resume_from and not Path(train.resume_from).exists():
+            raise ValueError(
+                f"train.resume_from={train.resume_from!r} does not exist; name a run directory or one of its "
+                "checkpoint-<step> folders, or unset it"
+            )
         check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
         if set(FIXABLE) <= set(self.pinned()):  # everything pinned: the batch rule is checkable now
             self.to_job(model_path="", dataset_path="", layout=self.resolve(""))

@@ -8,7 +8,9 @@ the tensor-parallel code and the layout search all use them. Nothing here import
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ..config import JobConfig, ParallelConfig
 from ..utils import divisors, split_layers
@@ -68,6 +70,20 @@ def check_tp(shape: ModelShape, tp: int, *, vocab: bool = True) -> None:
         raise ValueError(f"{'; '.join(problems)}; valid tp for this model: {valid}")
 
 
+def _check_positions(job: JobConfig) -> None:
+    """A row longer than the model's position range trains positions it was never built for."""
+    path = Path(job.model_path) / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    if limit and job.block_size > limit:
+        raise ValueError(
+            f"data.block_size={job.block_size} exceeds the model's max_position_embeddings={limit} "
+            f"({job.model_path}); use data.block_size <= {limit}, or a model whose position range covers it"
+        )
+
+
 def check_layout(job: JobConfig) -> CheckedLayout:
     """Validate ``job.parallel`` against the model at ``job.model_path`` and the batch; raises
     ``ValueError`` naming the numbers at fault and a valid alternative."""
@@ -92,6 +108,7 @@ def check_layout(job: JobConfig) -> CheckedLayout:
             f"sequence parallelism splits the {job.block_size}-token sequence over tp={pc.tp}; "
             f"use a data.block_size divisible by {pc.tp}"
         )
+    _check_positions(job)
     notes = []
     if pc.tp > shape.num_kv_heads:
         notes.append(f"KV heads replicated {pc.tp // shape.num_kv_heads}x (tp={pc.tp} > {shape.num_kv_heads} KV heads)")

@@ -92,3 +92,59 @@ def test_train_refuses_bad_data_in_seconds(tiny_world, tmp_path, case):
     assert message in proc.stderr, proc.stderr[-3000:]
     assert took < 10, f"the refusal took {took:.1f} s"
     assert not (tmp_path / "run").exists()
+
+
+def _users_folder(d: Path) -> Path:
+    (d / "models").mkdir()
+    (d / "models" / "model.safetensors").write_bytes(b"the user's weights")
+    return d / "models"
+
+
+def _a_file(d: Path) -> Path:
+    (d / "notes.txt").write_text("a user's file")
+    return d / "notes.txt"
+
+
+SETTINGS = {
+    "hub-repo-id": (lambda w, d: {"hub.repo_id": "bad repo!!"}, "'bad repo!!' is not a Hub repo id"),
+    "hub-plain-http": (lambda w, d: {"hub.endpoint": "http://hub.example.com"}, "is not an https:// URL"),
+    "resume-from-missing": (lambda w, d: {"train.resume_from": str(d / "gone")}, "does not exist"),
+    "output-dir-is-a-file": (lambda w, d: {"output.dir": str(_a_file(d))}, "is a file"),
+    "consolidated-dir-of-other-files": (
+        lambda w, d: {"output.consolidated_dir": str(_users_folder(d))},
+        "already holds files neuron-flows did not write",
+    ),
+    "block-beyond-positions": (
+        lambda w, d: {"data.block_size": 4096},
+        "exceeds the model's max_position_embeddings=1024",
+    ),
+    "eval-without-eval-data": (lambda w, d: {"train.eval_every": 5}, "needs evaluation data"),
+}
+"""Each case: --set overrides of the tiny config, and what the refusal must say."""
+
+
+@pytest.mark.parametrize("case", sorted(SETTINGS))
+def test_train_refuses_bad_settings_before_any_data_is_read(tiny_world, tmp_path, case):
+    sets_of, message = SETTINGS[case]
+    base = {
+        "model.name_or_path": tiny_world["model"],
+        "data.source": tiny_world["corpus"],
+        "data.cache_dir": str(tmp_path / "datasets"),
+        "output.dir": str(tmp_path / "run"),
+        "launch.nproc_per_node": 1,
+        "parallel.tp": 1,
+        "parallel.pp": 1,
+    }
+    sets = {**base, **sets_of(tiny_world, tmp_path)}
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cmd = [str(CLI), "train", str(ROOT / "configs" / "tiny-llama-cpu.yaml")]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=os.environ)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+    assert took < 10, f"the refusal took {took:.1f} s"
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing on disk changed
+    assert not (tmp_path / "datasets").exists()  # refused before tokenization

@@ -4,6 +4,7 @@ and from the flow's parameter schema (the Prefect UI form), with the library's d
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import yaml
@@ -66,7 +67,7 @@ SAMPLES = {
     "train.eval_every": 5,
     "train.lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
     "train.early_stopping_patience": 3,
-    "train.resume_from": "/runs/earlier",
+    "train.resume_from": str(Path(__file__).resolve().parent),  # any existing folder: it must exist
     "train.profile_memory": True,
     "launch.device": "cuda",
     "launch.nproc_per_node": 8,
