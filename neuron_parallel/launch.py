@@ -38,6 +38,19 @@ class TrainResult:
     last_metrics: dict
 
 
+def _event(line: str) -> dict | None:
+    """The progress event a line carries, or None for any other line, including an event line
+    that another process's output broke into (ranks share one pipe): that is output, not a
+    reason to fail the run."""
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    try:
+        event = json.loads(line[len(EVENT_PREFIX) :])
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
 def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
     """The torchrun command line: standalone on one node, c10d rendezvous across several."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}"]
@@ -127,8 +140,8 @@ def run_torchrun(
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
-            if line.startswith(EVENT_PREFIX):
-                event = json.loads(line[len(EVENT_PREFIX) :])
+            event = _event(line)
+            if event is not None:
                 if event["event"] == "step":
                     state["final_step"] = event["step"]
                     state["last_metrics"] = event
@@ -273,8 +286,8 @@ def run_ranks(
             raise watcher_error[0]
     events, results = [], []
     for line in stdout.splitlines():
-        if line.startswith(EVENT_PREFIX):
-            events.append(json.loads(line[len(EVENT_PREFIX) :]))
+        if (event := _event(line)) is not None:
+            events.append(event)
         elif line.startswith(RESULT_PREFIX):
             results.append(json.loads(line[len(RESULT_PREFIX) :]))
     return RanksResult(

@@ -345,12 +345,29 @@ def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe, base: dict | N
     return step, EvalState(**saved)
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, skipping a line that is not a whole record (the torn
+    tail of a write cut short by a crash, power loss or a full disk)."""
+    records = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines past the resumed step, so metrics.jsonl reads as one uninterrupted run."""
+    """Drop lines past the resumed step (and any torn line), so metrics.jsonl reads as one
+    uninterrupted run; rewritten through a temporary file renamed into place."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in read_metrics(path) if r["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
 
 
 def _report_memory(probe: RankMemoryProbe, job: JobConfig, run_dir: Path) -> None:

@@ -2,7 +2,6 @@
 
 import base64
 import io
-import json
 from pathlib import Path
 
 from prefect import task
@@ -11,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from neuron_parallel.hub import HubCommit
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout
+from neuron_parallel.train import read_metrics
 
 from .common import STEP_POLICY
 
@@ -101,7 +101,7 @@ def report(
 ) -> str:
     """Write ``loss_curve.png`` into the run directory and the summary artifact; returns its markdown."""
     path = Path(result.run_dir) / "metrics.jsonl"
-    metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    metrics = read_metrics(path)
     png = loss_curve_png(metrics)
     (Path(result.run_dir) / "loss_curve.png").write_bytes(png)
     markdown = summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png)

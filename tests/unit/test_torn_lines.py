@@ -1,0 +1,25 @@
+"""A torn line never stops a run: the tail of metrics.jsonl cut short by a crash, or an event
+line that another rank's output broke into."""
+
+import json
+
+from neuron_parallel.launch import EVENT_PREFIX, _event
+from neuron_parallel.train import _truncate_metrics, read_metrics
+
+
+def test_a_torn_last_metrics_line_is_skipped_and_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "loss": 2.0 - s / 10} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')  # power cut mid-write
+    assert read_metrics(path) == records
+    _truncate_metrics(path, 2)
+    assert read_metrics(path) == records[:2]
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in records[:2])
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # rewritten through a renamed file
+
+
+def test_an_event_line_broken_by_other_output_is_output_not_a_failure():
+    whole = EVENT_PREFIX + json.dumps({"event": "step", "step": 3})
+    assert _event(whole) == {"event": "step", "step": 3}
+    assert _event(whole[:25] + "[rank1] loading weights") is None
+    assert _event("plain output") is None and _event(EVENT_PREFIX + "[1, 2]") is None
