@@ -221,11 +221,11 @@ class FinetuneConfig(_Section):
     def _check(self) -> FinetuneConfig:
         """Every check the library's types make without the model; raises ValueError naming the fix."""
         self.library("model")
-        self.library("data")
+        data = self.library("data")
         self.to_launch()
         # An auto micro batch is chosen (and checked) with the layout.
         train = self.library("train", micro_batch_size=1)
-        check_eval(self.library("data"), train)
+        check_eval(data, train)
         if train.resume_from and "{flow_run" not in train.resume_from and not Path(train.resume_from).exists():
             raise ValueError(
                 f"train.resume_from={train.resume_from!r} does not exist; name a run directory or one of its "

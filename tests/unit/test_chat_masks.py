@@ -67,6 +67,19 @@ def documents(rows):
     return out
 
 
+def _tokenize_chat(tiny_world, cache_dir, template: str, **data):
+    """The tiny world's chat set tokenized with ``template`` (and any other data fields)."""
+    return tokenize_dataset(
+        source=tiny_world["chat"],
+        tokenizer_dir=tiny_world["model"],
+        block_size=BLOCK,
+        cache_dir=cache_dir,
+        format="chat",
+        chat_template=template,
+        **data,
+    )
+
+
 @pytest.fixture(scope="module")
 def conversations(tiny_world):
     return [json.loads(line)["messages"] for line in open(tiny_world["chat"])]
@@ -76,15 +89,7 @@ def conversations(tiny_world):
 @pytest.mark.parametrize("template", ["chatml", "llama3"])
 def test_loss_is_exactly_on_every_assistant_turn(tiny_world, conversations, tmp_path, template, packing):
     path = str(TEMPLATES / f"{template}.jinja")
-    ds = tokenize_dataset(
-        source=tiny_world["chat"],
-        tokenizer_dir=tiny_world["model"],
-        block_size=BLOCK,
-        cache_dir=tmp_path,
-        format="chat",
-        chat_template=path,
-        packing=packing,
-    )
+    ds = _tokenize_chat(tiny_world, tmp_path, path, packing=packing)
     tok = AutoTokenizer.from_pretrained(tiny_world["model"])
     rows = load_from_disk(ds.path).with_format("numpy")[:]
     docs = documents(rows)
@@ -110,14 +115,7 @@ def test_loss_is_exactly_on_every_assistant_turn(tiny_world, conversations, tmp_
 
 def test_the_audit_marks_exactly_the_spans_without_loss(tiny_world, conversations, tmp_path):
     path = str(TEMPLATES / "chatml.jinja")
-    ds = tokenize_dataset(
-        source=tiny_world["chat"],
-        tokenizer_dir=tiny_world["model"],
-        block_size=BLOCK,
-        cache_dir=tmp_path,
-        format="chat",
-        chat_template=path,
-    )
+    ds = _tokenize_chat(tiny_world, tmp_path, path)
     sample = ds.audit["sample"]
     tok = AutoTokenizer.from_pretrained(tiny_world["model"])
     first = tok.apply_chat_template(conversations[0], tokenize=False, chat_template=open(path).read())
