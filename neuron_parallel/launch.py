@@ -38,17 +38,26 @@ class TrainResult:
     last_metrics: dict
 
 
-def _event(line: str) -> dict | None:
-    """The progress event a line carries, or None for any other line, including an event line
-    that another process's output broke into (ranks share one pipe): that is output, not a
-    reason to fail the run."""
-    if not line.startswith(EVENT_PREFIX):
+def _tagged(line: str, prefix: str) -> dict | None:
+    """The JSON object a structured line carries after ``prefix``, or None. Ranks share one pipe
+    and write a structured line, newline included, in one atomic write (``utils.write_line``),
+    but another rank's ``print`` may have written its text and not yet its newline, so the
+    structured part can follow foreign text on the same line: it is always the line's tail."""
+    at = line.rfind(prefix)
+    if at < 0:
         return None
     try:
-        event = json.loads(line[len(EVENT_PREFIX) :])
+        obj = json.loads(line[at + len(prefix) :])
     except json.JSONDecodeError:
         return None
-    return event if isinstance(event, dict) and "event" in event else None
+    return obj if isinstance(obj, dict) else None
+
+
+def _event(line: str) -> dict | None:
+    """The progress event a line carries, or None for any other line, including an event line
+    that another process's output broke into: that is output, not a reason to fail the run."""
+    event = _tagged(line, EVENT_PREFIX)
+    return event if event is not None and "event" in event else None
 
 
 def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
@@ -141,6 +150,11 @@ def run_torchrun(
         for line in proc.stdout:
             line = line.rstrip("\n")
             event = _event(line)
+            if event is not None and not line.startswith(EVENT_PREFIX):  # another rank's text first
+                line = line[: line.rfind(EVENT_PREFIX)]
+                tail.append(line)
+                if on_line:
+                    on_line(line)
             if event is not None:
                 if event["event"] == "step":
                     state["final_step"] = event["step"]
@@ -288,8 +302,8 @@ def run_ranks(
     for line in stdout.splitlines():
         if (event := _event(line)) is not None:
             events.append(event)
-        elif line.startswith(RESULT_PREFIX):
-            results.append(json.loads(line[len(RESULT_PREFIX) :]))
+        elif (result := _tagged(line, RESULT_PREFIX)) is not None:
+            results.append(result)
     return RanksResult(
         returncode=124 if timed_out else proc.returncode,
         stdout=stdout,

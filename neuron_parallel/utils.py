@@ -56,3 +56,27 @@ def write_line(text: str) -> None:
     line (``print`` may write the text and the newline separately when stdout is unbuffered)."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's or a directory's data to disk. A directory's fsync makes the names created,
+    renamed or removed in it durable: without it a power cut can lose a completed rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader, or a crash at any moment, sees either the old
+    file or the whole new one: a temporary file beside it, fsynced, renamed over it, and the
+    directory fsynced."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)

@@ -13,7 +13,6 @@ on. A crash at any point leaves the previous checkpoints untouched and at most a
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..utils import sha256_file
+from ..utils import fsync_path, sha256_file
 from .format import (
     COMPLETE,
     HF_FILES,
@@ -45,14 +44,6 @@ from .tensors import dtype_name, local_view
 __all__ = ["CheckpointWriter", "sha256_file"]
 
 _RANK_LISTING = "rank_{:05d}.json"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _owns(t: torch.Tensor, tp_rank: int) -> bool:
@@ -165,7 +156,7 @@ class CheckpointWriter:
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path), metadata={"format": "pt"})
-            _fsync(path)
+            fsync_path(path)
             files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
             pieces += rank_pieces
         listing = tmp / _RANK_LISTING.format(self.rank)
@@ -211,15 +202,15 @@ class CheckpointWriter:
             adapter=meta["adapter"],
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
-        _fsync(tmp / MANIFEST)
+        fsync_path(tmp / MANIFEST)
         if final.exists():  # an earlier, incomplete attempt at the same step
             shutil.rmtree(final)
         tmp.rename(final)
         marker = final / (COMPLETE + ".tmp")
         marker.write_text(json.dumps({"step": step}))
-        _fsync(marker)
+        fsync_path(marker)
         marker.rename(final / COMPLETE)
-        _fsync(final)
+        fsync_path(final)
         if self.keep > 0:
             complete = [c for c in list_checkpoints(self.run) if is_complete(c)]
             for old in complete[: -self.keep]:
