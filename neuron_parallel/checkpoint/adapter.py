@@ -27,12 +27,13 @@ from typing import Any, Literal
 
 import torch
 
+from ..utils import atomic_write, fsync_path
 from .consolidate import write_hf_dir, write_safetensors
 from .engine_state import base_model_identity
-from .format import HF_FILES, Manifest, resolve_checkpoint
+from .format import HF_FILES, MANIFEST, Manifest, confined, resolve_checkpoint
 from .output import claim_output_dir, is_ours
 from .tensors import CheckpointTensors, HFWeights, dtype_from_name
-from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint
+from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint, verify_checksums
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -60,7 +61,8 @@ Kind = Literal["adapter", "merged", "both"]
 
 def open_adapter_checkpoint(path: str | Path) -> CheckpointTensors:
     """The LoRA checkpoint at ``path`` (run dir, checkpoint dir or ``shards/``), after quick
-    validation. Refuses a full fine-tuning checkpoint and an incomplete or damaged one."""
+    validation and its files' sha256. Refuses a full fine-tuning checkpoint and an incomplete or
+    damaged one."""
     ckpt = resolve_checkpoint(path)
     problems = validate_checkpoint(ckpt, quick=True, check_model=False)
     if problems:
@@ -71,6 +73,8 @@ def open_adapter_checkpoint(path: str | Path) -> CheckpointTensors:
             f"{ckpt} is a full fine-tuning checkpoint, not a LoRA one: it has no adapters to export or "
             "merge; consolidate it without --merge"
         )
+    verify_checksums(ckpt, tensors.manifest)
+    tensors.check_pieces()
     return tensors
 
 
@@ -167,12 +171,19 @@ def export_adapter(
     source = AdapterSource(tensors)
     write_safetensors(out / ADAPTER_WEIGHTS, source.plan(), source)
     config = peft_config(tensors.manifest, base_model_name, base_model_revision)
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    files_dir = Path(model_dir) if model_dir is not None else tensors.root
-    for name in _TOKENIZER_FILES:
-        if (files_dir / name).is_file():
-            shutil.copyfile(files_dir / name, out / name)
+    atomic_write(out / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for src in _model_files(tensors.root, model_dir, _TOKENIZER_FILES):
+        atomic_write(out / src.name, src.read_bytes())
+    fsync_path(out)
     return out
+
+
+def _model_files(ckpt: Path, model_dir: str | Path | None, names) -> list[Path]:
+    """The files ``names`` present in ``model_dir`` (the user's model directory), else in the
+    checkpoint, where none may lead out of it."""
+    if model_dir is not None:
+        return [Path(model_dir) / n for n in names if (Path(model_dir) / n).is_file()]
+    return [p for n in names if (p := confined(ckpt, n, f"{ckpt / MANIFEST}: model file")).is_file()]
 
 
 class MergedSource:
@@ -203,11 +214,32 @@ class MergedSource:
                 f"{tensors.root} lacks {len(missing)} tensors the base model in {base_dir} needs ({missing[:3]}…); "
                 f"run neuron-flows validate {tensors.root}"
             )
-        self._files_dir = model_dir if model_dir is not None else tensors.root
+        self._check_shapes(lora["r"], base_dir)
+        self._model_dir = model_dir
         self._a_cache: tuple[str, torch.Tensor] | None = None
 
     def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
         return self._plan
+
+    def _check_shapes(self, r: int, base_dir: Path) -> None:
+        """Every adapter fits the base weight it merges into (A: r × in, B: out × r) and every
+        replaced module has the base weight's shape (its vocab rows possibly padded)."""
+        stored = {name: self.tensors.manifest.tensors[name].shape for name in self.tensors.names("model")}
+        for name, shape, _ in self._plan:
+            if name in self._adapted and len(shape) == 2:
+                prefix, (out_dim, in_dim) = self._adapted[name], shape
+                want = {f"{prefix}.lora_A": [r, in_dim], f"{prefix}.lora_B": [out_dim, r]}
+            elif name in self._replaced:
+                have = stored[self._replaced[name]]
+                want = {self._replaced[name]: [max(shape[0], have[0]), *shape[1:]] if shape else shape}
+            else:
+                continue
+            for key, expected in want.items():
+                if list(stored[key]) != list(expected):
+                    raise ValueError(
+                        f"{self.tensors.root}: {key} has shape {stored[key]}, but the base weight {name} in "
+                        f"{base_dir} is {shape}, which needs {expected}; the adapters belong to another base model"
+                    )
 
     def _lora_a(self, prefix: str) -> torch.Tensor:
         if self._a_cache is None or self._a_cache[0] != prefix:
@@ -241,7 +273,7 @@ class MergedSource:
         return [self.base.byte_range(name)]
 
     def hf_files(self) -> list[Path]:
-        return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
+        return _model_files(self.tensors.root, self._model_dir, HF_FILES)
 
 
 def check_base_model(tensors: CheckpointTensors, base_dir: str | Path | None) -> Path:

@@ -16,19 +16,19 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from .format import HF_FILES, Manifest, resolve_checkpoint
+from ..utils import atomic_write, fsync_path
+from .format import HF_FILES, MANIFEST, Manifest, confined, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
 from .output import claim_output_dir
 from .tensors import CheckpointTensors, dtype_from_name, safetensors_dtype
-from .validate import validate_checkpoint
+from .validate import validate_checkpoint, verify_checksums
 
 BLOCK_BYTES = 32 << 20  # rows copied per write: memory stays near this, not the largest tensor
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -117,7 +117,10 @@ class ManifestSource:
         return self.tensors.read(name, [start] + [0] * (len(shape) - 1), [stop - start, *shape[1:]])
 
     def hf_files(self) -> list[Path]:
-        return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
+        if self._files_dir != self.root:  # the user's own model directory
+            return [self._files_dir / n for n in HF_FILES if (self._files_dir / n).is_file()]
+        what = f"{self.root / MANIFEST}: model file"
+        return [p for n in HF_FILES if (p := confined(self.root, n, what)).is_file()]
 
 
 def _read_checked(source: TensorSource, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -167,7 +170,8 @@ def _copy_ranges(ranges: list[tuple[Path, int, int]], dst_fd: int) -> bool:
 
 def write_safetensors(path: Path, items, source: TensorSource) -> int:
     """Write the tensors ``items`` (``(name, shape, dtype)``, a slice of ``source``'s plan) to one
-    safetensors file, streamed from ``source``; atomically (a ``.tmp`` renamed). Returns the data bytes."""
+    safetensors file, streamed from ``source``; atomically (a fsynced ``.tmp`` renamed, then the
+    folder fsynced). Returns the data bytes."""
     header, offset = {}, 0
     for name, shape, dtype in items:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -193,14 +197,16 @@ def write_safetensors(path: Path, items, source: TensorSource) -> int:
                     view = view[f.write(view) :]
                 del t
         os.fsync(f.fileno())
-    tmp.rename(path)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
     return offset
 
 
 def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> TensorSource:
     """The checkpoint at ``path`` as a :class:`TensorSource`, after quick validation: ours (a run
     dir, checkpoint dir or its ``shards/``) or an optimum-neuron / neuronx-distributed one (its
-    checkpoint dir or ``shards/``; see ``neuronx.py``). Refuses an incomplete or damaged one."""
+    checkpoint dir or ``shards/``; see ``neuronx.py``). Refuses an incomplete or damaged one, and
+    one of ours whose files do not have the sha256 its manifest records."""
     shards = find_neuronx_checkpoint(path)
     if shards is not None:
         return NeuronxCheckpoint(shards, model_dir=model_dir)
@@ -210,7 +216,10 @@ def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> Ten
     problems = validate_checkpoint(ckpt, quick=True, check_model=False)
     if problems:
         raise ValueError(f"refusing to consolidate {ckpt}: " + "; ".join(problems))
-    return ManifestSource(ckpt, model_dir)
+    source = ManifestSource(ckpt, model_dir)
+    verify_checksums(ckpt, source.tensors.manifest)
+    source.tensors.check_pieces()
+    return source
 
 
 def write_hf_dir(
@@ -230,7 +239,10 @@ def write_hf_dir(
 
     if fmt == "pytorch":
         state = {name: _read_checked(source, name, shape, dtype) for name, shape, dtype in plan}
-        torch.save(state, out / "pytorch_model.bin")
+        tmp = out / "pytorch_model.bin.tmp"
+        torch.save(state, tmp)
+        fsync_path(tmp)
+        os.replace(tmp, out / "pytorch_model.bin")
     else:
         groups, cur, size = [], [], 0
         for item in plan:
@@ -250,9 +262,10 @@ def write_hf_dir(
                 total += write_safetensors(out / fname, group, source)
                 weight_map.update({name: fname for name, _, _ in group})
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            atomic_write(out / "model.safetensors.index.json", json.dumps(index, indent=2))
     for src in source.hf_files():
-        shutil.copyfile(src, out / src.name)
+        atomic_write(out / src.name, src.read_bytes())
+    fsync_path(out)  # the stale files' removal, and every rename, made durable
     return out
 
 

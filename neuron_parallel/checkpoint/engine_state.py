@@ -95,6 +95,9 @@ def load_engine_state(engine, tensors, step: int) -> None:
     at optimizer step ``step``. Under LoRA only the trainable tensors come from the checkpoint;
     the frozen base stays as loaded from the base model."""
     trainable = {name for name, _ in engine.named_parameters()}
+    for name, p in engine.named_parameters():  # a slice of a tensor of another shape is refused
+        if _source_name(engine, name) in tensors:
+            tensors.check_shape(_source_name(engine, name), local_view(p)[1])
     for part in engine.parts:
         load_weights(part, tensors, tied=engine.tied, skip=lambda name: name not in trainable)
 

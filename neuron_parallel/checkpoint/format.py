@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 FORMAT_NAME = "neuron-flows-checkpoint"
@@ -44,6 +45,25 @@ HF_FILES = (
     "chat_template.jinja",
 )
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def confined(root: str | Path, rel: Any, what: str, *, also: Iterable[Path] = ()) -> Path:
+    """``root / rel``, refusing a path that could lead out of ``root``: ``rel`` must be a relative
+    path (``/``-separated) without ``..`` components, and what it resolves to, symbolic links
+    followed, must lie inside ``root`` (or one of the folders ``also`` names). ``what`` says where
+    ``rel`` was read (``"<manifest>: files entry"``), for the ``ValueError``."""
+    allowed = "a relative path inside the folder, without '..' components or links that lead out of it"
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        raise ValueError(f"{what} {rel!r} is not a file name; only {allowed} is allowed")
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or PureWindowsPath(rel).drive or ".." in pure.parts:
+        raise ValueError(f"{what} {rel!r} points outside {root}; only {allowed} is allowed")
+    path = Path(root) / rel
+    target = path.resolve()
+    for folder in (Path(root), *also):
+        if target.is_relative_to(folder.resolve()):
+            return path
+    raise ValueError(f"{what} {rel!r} resolves to {target}, outside {root}; only {allowed} is allowed")
 
 
 def shard_dir(tp_rank: int, pp_rank: int) -> str:
@@ -112,6 +132,7 @@ class Manifest:
             )
             for name, t in raw["tensors"].items()
         }
+        _check_paths(path, raw["files"], tensors)
         return cls(
             step=raw["step"],
             parallel=raw["parallel"],
@@ -122,6 +143,17 @@ class Manifest:
             format_version=raw["format_version"],
             adapter=raw.get("adapter"),
         )
+
+
+def _check_paths(path: Path, files: Any, tensors: dict[str, TensorEntry]) -> None:
+    """Every file a manifest names (``files`` and each piece's ``file``) stays inside its folder."""
+    if not isinstance(files, dict):
+        raise ValueError(f"{path}: 'files' is a {type(files).__name__}, not a mapping of file name → size and sha256")
+    for rel in files:
+        confined(path.parent, rel, f"{path}: files entry")
+    for name, entry in tensors.items():
+        for piece in entry.pieces:
+            confined(path.parent, piece.file, f"{path}: tensor {name} piece file")
 
 
 def checkpoint_step(path: Path) -> int | None:

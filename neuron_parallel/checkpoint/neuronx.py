@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .format import HF_FILES
+from .format import HF_FILES, confined
 from .neuronx_layout import (
     _GQA,
     _METADATA,
@@ -54,6 +54,21 @@ from .neuronx_layout import (
 from .validate import expected_shapes
 
 _Entry = tuple[str, list[int], torch.dtype, Callable[[], torch.Tensor]]
+MAX_TP = 4096
+"""The largest tensor-parallel degree (``num_partitions``) a checkpoint's metadata may record."""
+
+
+def _first_missing(present, tp: int, pp: int, limit: int):
+    """The first ``limit`` (tp_rank, pp_rank) of the tp × pp grid not in ``present``, found
+    without walking more than ``len(present) + limit`` cells."""
+    found = 0
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in present:
+                yield t, p
+                found += 1
+                if found == limit:
+                    return
 
 
 class NeuronxCheckpoint:
@@ -68,6 +83,7 @@ class NeuronxCheckpoint:
         self._problems: list[str] = []
         files_dir, problem = _find_config(self.ckpt_dir, model_dir)
         self._files_dir = files_dir
+        self._users_dir = model_dir is not None
         self.model_config: dict[str, Any] = json.loads((files_dir / "config.json").read_text()) if files_dir else {}
         if problem:
             self._problems.append(problem)
@@ -91,7 +107,11 @@ class NeuronxCheckpoint:
 
     def hf_files(self) -> list[Path]:
         d = self._files_dir
-        return [d / n for n in HF_FILES if (d / n).is_file()] if d else []
+        if d is None:
+            return []
+        if self._users_dir:  # the user's own model directory
+            return [d / n for n in HF_FILES if (d / n).is_file()]
+        return [p for n in HF_FILES if (p := confined(d, n, f"{d}: model file")).is_file()]
 
     # -- validation -----------------------------------------------------------------------------
     def _refuse_if_any(self) -> None:
@@ -113,6 +133,7 @@ class NeuronxCheckpoint:
         metadata = {}
         for pp_rank, path in found.items():
             try:
+                confined(self.shards, path.name, f"{self.shards}: metadata file")
                 metadata[pp_rank] = json.loads(path.read_text()) if path.suffix == ".json" else _load(path, mmap=False)
             except Exception as e:  # a damaged file is a finding, not a crash
                 self._problems.append(f"{path}: unreadable ({e})")
@@ -127,21 +148,52 @@ class NeuronxCheckpoint:
             return 0, 0
         tp = max(t for t, _ in files) + 1
         pp = max([p for _, p in files] + [p for p in metadata]) + 1
-        for meta in metadata.values():  # the tp degree the trainer recorded beats counting files
-            for param in (meta.get("parameters") or {}).values() if isinstance(meta, dict) else ():
-                tp = max(tp, int(param.get("num_partitions") or 0))
-        for t in range(tp):
-            for p in range(pp):
-                if (t, p) not in files:
-                    self._problems.append(
-                        f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})"
-                    )
+        recorded = self._recorded_tp(metadata, tp)
+        if recorded is not None and recorded < tp:
+            self._problems.append(
+                f"{self._rank_path(tp - 1, 0)}: tp_rank {tp - 1} exists, but the metadata records "
+                f"num_partitions={recorded} (tp ranks 0..{recorded - 1})"
+            )
+        elif recorded is not None:  # the tp degree the trainer recorded beats counting files
+            tp = recorded
+        # Rank numbers come from file names and metadata: list the first few holes and count the
+        # rest, so that pp_rank_999999999 or num_partitions=4096 costs nothing.
+        for t, p in list(_first_missing(files, tp, pp, 3)):
+            self._problems.append(f"{self._rank_path(t, p)}: missing (tp_rank {t}, pp_rank {p} of tp={tp}, pp={pp})")
+        if tp * pp - len(files) > 3:
+            self._problems.append(f"{tp * pp - len(files) - 3} more rank files of the tp={tp} × pp={pp} grid missing")
         if self.layout == "trainer":
-            for p in range(pp):
-                if p not in self._metadata_files:
-                    path = self.shards / f"mp_metadata_pp_rank_{p}.json"
-                    self._problems.append(f"{path}: missing (the partitioning of pp_rank {p})")
+            for _, p in list(_first_missing({(0, p) for p in self._metadata_files}, 1, pp, 3)):
+                path = self.shards / f"mp_metadata_pp_rank_{p}.json"
+                self._problems.append(f"{path}: missing (the partitioning of pp_rank {p})")
+            if pp - len(self._metadata_files) > 3:
+                self._problems.append(f"{pp - len(self._metadata_files) - 3} more mp_metadata files missing")
         return tp, pp
+
+    def _recorded_tp(self, metadata: dict[int, Any], counted: int) -> int | None:
+        """The ``num_partitions`` the metadata records for its tensor-parallel parameters: one
+        positive integer, at most ``MAX_TP`` (the number of rank files is checked against it);
+        None, with the problem noted, when the records disagree or make no sense."""
+        values = set()
+        for pp_rank, meta in metadata.items():
+            for name, param in (meta.get("parameters") or {}).items() if isinstance(meta, dict) else ():
+                if not isinstance(param, dict) or not param.get("tensor_model_parallel"):
+                    continue
+                n = param.get("num_partitions")
+                if type(n) is not int or not 1 <= n <= MAX_TP:
+                    self._problems.append(
+                        f"{self._metadata_files[pp_rank]}: {name} records num_partitions={n!r}; a tensor-parallel "
+                        f"degree is an integer from 1 to {MAX_TP} (the rank files say tp={counted})"
+                    )
+                    return None
+                values.add(n)
+        if len(values) > 1:
+            self._problems.append(
+                f"{self.shards}: the metadata records num_partitions {sorted(values)}; one tensor-parallel "
+                f"degree is expected (the rank files say tp={counted})"
+            )
+            return None
+        return values.pop() if values else None
 
     def _rank_path(self, tp_rank: int, pp_rank: int) -> Path:
         if self.layout == "trainer":
@@ -183,7 +235,11 @@ class NeuronxCheckpoint:
         """optimum-neuron ≥ 0.1: per-parameter partitioning plus transformation specs."""
         for name, m in meta["parameters"].items():
             if m.get("tensor_model_parallel"):
-                stage.params[name] = _Param(True, int(m["partition_dim"]), int(m.get("partition_stride") or 1))
+                stride = m.get("partition_stride") or 1
+                if type(stride) is not int or stride < 1:
+                    self._problems.append(f"{name}: partition_stride={stride!r} is not a positive integer")
+                    continue
+                stage.params[name] = _Param(True, int(m["partition_dim"]), stride)
         for group in meta.get("model_weight_transformation_specs") or []:
             prefix = group["module_fully_qualified_name"]
             for cls_name, spec in group["specs"]:
@@ -287,6 +343,8 @@ class NeuronxCheckpoint:
                 entries.setdefault(entry[0], entry)  # a weight shared by two stages is written once
         if self.model_config.get("tie_word_embeddings"):
             entries.pop("lm_head.weight", None)
+        if self._problems:  # refused as it stands: no need to build the model to compare
+            return entries
         try:
             expected = expected_shapes(self.model_config) if self.model_config else None
         except Exception:  # an architecture transformers does not know: nothing to compare with
@@ -344,6 +402,15 @@ class NeuronxCheckpoint:
     def _plain_entry(self, stage: _Stage, key: str) -> _Entry:
         p = stage.params.get(key, _Param())
         shape, dtype = self._local(stage, key)
+        if p.parallel and not 0 <= p.dim < len(shape):
+            self._problems.append(f"{key}: partition_dim={p.dim}, but the tensor has {len(shape)} dims ({shape})")
+            return key, shape, dtype, self._refuse_if_any
+        if p.parallel and shape[p.dim] % p.stride:
+            self._problems.append(
+                f"{key}: partition_stride={p.stride} does not divide dim {p.dim} of the rank's piece {shape}; "
+                "the blocks the ranks interleave would not tile the tensor"
+            )
+            return key, shape, dtype, self._refuse_if_any
         if p.parallel:
             shape[p.dim] *= self.tp
         shape = _vocab_trimmed(key, shape, self.model_config)
@@ -451,13 +518,17 @@ class NeuronxCheckpoint:
     ) -> torch.Tensor:
         """Concatenate the ranks' pieces of ``key`` along ``dim`` (None: replicated, rank 0's);
         ``narrow`` cuts each piece first; with ``stride`` s each piece is s blocks, block j of
-        rank r landing at position j·tp + r; whatever falls outside ``shape`` is skipped."""
+        rank r landing at position j·tp + r; whatever falls outside ``shape`` is skipped. Every
+        element of the result is written, or ``ValueError``: no uninitialised memory leaves."""
         out = torch.empty(shape, dtype=dtype)
         ranks = stage.ranks[:1] if dim is None else stage.ranks
+        written = 0  # along dim (1 for a replicated tensor, copied whole)
         for r, rank in enumerate(ranks):
             local = list(rank.meta(key)[0])
             if narrow:
                 local[narrow[0]] = narrow[2]
+            if len(local) != len(shape) or any(n > m for i, (n, m) in enumerate(zip(shape, local)) if i != dim):
+                raise ValueError(f"{rank.path}: {key} is {local}, too small for a piece of {shape}")
             block = local[dim] // stride if dim is not None else 0
             places = [(0, 0)] if dim is None else [(j * block, (j * len(ranks) + r) * block) for j in range(stride)]
             places = [(at, to) for at, to in places if dim is None or to < shape[dim]]
@@ -466,6 +537,8 @@ class NeuronxCheckpoint:
             src = rank.get(key)
             if narrow:
                 src = src.narrow(*narrow)
+            if list(src.shape) != local:
+                raise ValueError(f"{rank.path}: {key} holds {list(src.shape)}, its metadata says {local}")
             for at, to in places:
                 src_idx = [slice(0, n) for n in shape]
                 dst_idx = [slice(None)] * len(shape)
@@ -473,7 +546,13 @@ class NeuronxCheckpoint:
                     length = min(block, shape[dim] - to)
                     src_idx[dim], dst_idx[dim] = slice(at, at + length), slice(to, to + length)
                 out[tuple(dst_idx)] = src[tuple(src_idx)]
+                written += 1 if dim is None else length
             del src
+        if written != (1 if dim is None else shape[dim]):
+            raise ValueError(
+                f"{stage.ranks[0].path}: the ranks' pieces of {key} fill {written} of {shape[dim]} indices of "
+                f"dim {dim} (partition_stride={stride}, tp={len(ranks)}); the partitioning metadata does not fit"
+            )
         return out
 
     def _gather_heads(
@@ -491,10 +570,16 @@ class NeuronxCheckpoint:
         heads ``orders[r]``: the inverse of the GQA layer's query-head permutation."""
         out = torch.empty(shape, dtype=dtype)
         heads = out.view(num_heads, -1) if dim == 0 else out.view(shape[0], num_heads, -1)
+        if len(orders) != len(stage.ranks) or sum(len(o) for o in orders) != num_heads:
+            raise ValueError(f"{key}: {len(stage.ranks)} ranks do not hold the {num_heads} heads once each")
         for rank, order in zip(stage.ranks, orders):
             src = rank.get(key)
             if narrow:
                 src = src.narrow(*narrow)
+            if src.numel() * num_heads != out.numel() * len(order):
+                raise ValueError(
+                    f"{rank.path}: {key} holds {list(src.shape)}, not {len(order)} of the heads of {shape}"
+                )
             if dim == 0:
                 heads[order] = src.reshape(len(order), -1)
             else:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .format import confined
+
 SHARDS_DIRS = ("shards", "tensor_parallel_shards")
 DONE = "done"
 _TRAINER_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
@@ -87,9 +89,9 @@ class _RankFile:
             raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
         self.state = state
         self._meta: dict[str, tuple[list[int], torch.dtype]] = {}
-        info = Path(str(path) + ".info.pt")  # {id: {dtype, shape}}, written by neuronx-distributed > 0.6
+        info = path.with_name(path.name + ".info.pt")  # {id: {dtype, shape}}, written by neuronx-distributed > 0.6
         try:
-            self._info = _load(info, mmap=False) if xser and info.is_file() else {}
+            self._info = _load(self._inside(info.name), mmap=False) if xser and info.is_file() else {}
         except Exception:  # only a shortcut: shapes are then read from the tensor files
             self._info = {}
 
@@ -97,12 +99,19 @@ class _RankFile:
     def tensors_dir(self) -> Path:
         return Path(str(self.path) + ".tensors")
 
+    def _inside(self, rel: str) -> Path:
+        """``rel`` beside the rank file, refused if a link leads it out of the rank file's folder."""
+        return confined(self.path.parent, rel, f"{self.path}: xser file")
+
+    def _tensor_file(self, tid: int) -> Path:
+        return self._inside(f"{self.tensors_dir.name}/tensor_{tid}.pt")
+
     def keys(self) -> list[str]:
         return [k for k, v in self.state.items() if isinstance(v, (torch.Tensor, _TensorReference))]
 
     def missing_tensor_files(self) -> list[Path]:
         refs = [v for v in self.state.values() if isinstance(v, _TensorReference)]
-        return [f for f in (self.tensors_dir / f"tensor_{r.tid}.pt" for r in refs) if not f.is_file()]
+        return [f for f in (self._tensor_file(r.tid) for r in refs) if not f.is_file()]
 
     def meta(self, key: str) -> tuple[list[int], torch.dtype]:
         if key not in self._meta:
@@ -118,7 +127,7 @@ class _RankFile:
     def get(self, key: str) -> torch.Tensor:
         v = self.state[key]
         if isinstance(v, _TensorReference):
-            v = _load(self.tensors_dir / f"tensor_{v.tid}.pt", mmap=True)
+            v = _load(self._tensor_file(v.tid), mmap=True)
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"{self.path}: {key} is a {type(v).__name__}, not a tensor")
         return v
@@ -199,6 +208,8 @@ def _locate_files(shards: Path) -> tuple[str, bool, dict[tuple[int, int], Path]]
             if m and p.is_file() and int(m.group(1)) == 0:
                 files[int(m.group(2)), int(m.group(3))] = p
         xser = any(p.name.endswith(".pt.tensors") and p.is_dir() for p in model.iterdir())
+        for path in files.values():  # names matched a pattern; a link may still lead elsewhere
+            confined(shards, path.relative_to(shards).as_posix(), f"{shards}: rank file")
         return "trainer", xser, files
     xser = False
     for p in shards.iterdir():
@@ -210,6 +221,8 @@ def _locate_files(shards: Path) -> tuple[str, bool, dict[tuple[int, int], Path]]
         elif p.is_file():
             files[int(m.group(1)), int(m.group(2))] = p
             xser = True
+    for path in files.values():  # names matched a pattern; a link may still lead elsewhere
+        confined(shards, path.relative_to(shards).as_posix(), f"{shards}: rank file")
     return "legacy", xser, files
 
 
@@ -220,6 +233,7 @@ def _find_config(ckpt_dir: Path, model_dir: str | Path | None) -> tuple[Path | N
         return (d, None) if (d / "config.json").is_file() else (None, f"{d / 'config.json'}: missing (--model-dir)")
     for d in (ckpt_dir, ckpt_dir.parent):
         if (d / "config.json").is_file():
+            confined(d, "config.json", f"{d}: model file")
             return d, None
     return None, (
         f"no config.json in {ckpt_dir} or {ckpt_dir.parent}; pass --model-dir DIR (model_dir=...), a Hugging "

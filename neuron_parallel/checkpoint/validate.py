@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..utils import sha256_file
-from .format import COMPLETE, MANIFEST, Manifest, resolve_checkpoint
+from .format import COMPLETE, MANIFEST, Manifest, confined, resolve_checkpoint
 from .tensors import dtype_name
 
 
@@ -75,6 +75,20 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: b
         return problems
     problems += _check_contents(ckpt, manifest, bad_files)
     return problems
+
+
+def verify_checksums(ckpt: Path, manifest: Manifest) -> None:
+    """Hash every file the manifest lists and refuse, with a ``ValueError`` naming the file, the
+    recorded and the actual digest, a file whose content changed since the save wrote it."""
+    for rel, info in manifest.files.items():
+        path = confined(ckpt, rel, f"{ckpt / MANIFEST}: files entry")
+        actual = sha256_file(path)
+        if actual != info["sha256"]:
+            raise ValueError(
+                f"{path}: sha256 {actual}, the manifest records {info['sha256']}: the file changed after the "
+                f"checkpoint was written (disk or copy damage); use an earlier checkpoint, and run "
+                f"neuron-flows validate {ckpt} to list every damaged file"
+            )
 
 
 def expected_shapes(model_config: dict) -> dict[str, list[int]]:

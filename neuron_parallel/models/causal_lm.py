@@ -171,4 +171,4 @@ def load_weights(stage: nn.Module, source, *, tied: bool, skip=None) -> None:
                 key = "model.embed_tokens.weight"
             if key not in source:
                 raise ValueError(f"{getattr(source, 'root', source)} has no tensor {key}")
-            local.copy_(source.read(key, offsets, list(local.shape)))
+            local.copy_(source.read(key, offsets, list(local.shape), global_shape=gshape))
