@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -27,23 +28,25 @@ def _config(args):
     return FinetuneConfig.load(args.config, args.set)
 
 
-def _preflight(config):
-    """Check (or, for auto fields, choose) the layout against the model's config before any data
-    is touched (local models; a Hub model is checked by the plan step once fetched)."""
-    from pathlib import Path
+def _preflight(config, *, check_upload: bool = False):
+    """Refuse, before anything starts, what the machine, the files or the Hub already show cannot
+    work (``tasks.config.preflight``)."""
+    from neuron_flows.tasks.config import preflight
 
-    from neuron_flows.tasks.config import plan_layout
-
-    if (Path(config.model.name_or_path) / "config.json").is_file():
-        plan_layout(config, config.model.name_or_path)
+    # A token in a Prefect Secret block is read, and the Hub checked with it, by the flow.
+    check_upload = check_upload and not config.hub.token_secret
+    preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload)
 
 
 def cmd_run(args) -> int:
     config = _config(args)
-    _preflight(config)
+    _preflight(config, check_upload=True)
     # The embedded server migrates its SQLite database on first start; on a busy 2-core machine
     # that can take longer than Prefect's default 20 s wait.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # The temporary server would report usage to Prefect over the network (and log an error
+    # where there is none).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from neuron_flows.flows.finetune import finetune
 
     try:
@@ -58,8 +61,10 @@ def cmd_run(args) -> int:
 def _stop_embedded_server() -> None:
     """Stop Prefect's temporary local server now, rather than at interpreter exit, so that the
     run's summary lines are the last thing printed. A configured PREFECT_API_URL is untouched."""
+    from prefect.logging.handlers import APILogHandler
     from prefect.server.api.server import SubprocessASGIServer
 
+    APILogHandler().flush()  # the run's last log lines reach the server before it stops
     SubprocessASGIServer().stop()
 
 
@@ -286,13 +291,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_signalled: list[int] = []
+
+
+def _stop_on(signum: int, frame) -> None:
+    _signalled.append(signum)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM and SIGHUP (a `timeout`, a closed terminal, a scheduler) unwind like Ctrl-C, so the
+    # launcher's cleanup ends torchrun and every rank before this process exits; their default
+    # action would end this process alone and leave the ranks training.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT even where inherited ignored
+        signal.signal(signum, _stop_on)
     try:
         return args.fn(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        signum = _signalled[0] if _signalled else signal.SIGINT
+        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit now: the ranks are gone (the launcher's cleanup ran while the interrupt unwound),
+        # and Prefect's background threads, still trying to reach the server this run stopped,
+        # would otherwise hold the interpreter open.
+        os._exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from prefect.transactions import transaction
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_flows.tasks.consolidate import consolidate
 from neuron_flows.tasks.plan import plan
+from neuron_flows.tasks.preflight import preflight
 from neuron_flows.tasks.report import report
 from neuron_flows.tasks.tokenize import tokenize
 from neuron_flows.tasks.train import train
@@ -25,6 +26,7 @@ def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:  # noqa: B008 (
     and upload form one transaction: if the upload fails, the consolidated directory is removed
     again, so a retry never publishes a stale or half-written model."""
     config = config.for_run(flow_run.get_name() or "local", flow_run.get_id() or "local")
+    preflight(config)
     dataset = tokenize(config)
     layout = plan(config, dataset)
     result = train.with_options(retries=config.launch.retries)(config, dataset, layout)

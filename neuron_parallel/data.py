@@ -85,10 +85,10 @@ def dataset_repo(source: str | list[str]) -> str | None:
         readme = path / "README.md"
         head = readme.read_text(errors="replace").split("\n---", 1)[0] if readme.is_file() else ""
         return source if head.startswith("---") and "\nconfigs:" in head else None
-    return None if path.exists() else (source if _local_files(source) is None else None)
+    return None if path.exists() else (source if local_data_files(source) is None else None)
 
 
-def _local_files(source: str | list[str]) -> list[Path] | None:
+def local_data_files(source: str | list[str]) -> list[Path] | None:
     """The data files named by ``source``, or None when it is a Hub dataset name."""
     items = [source] if isinstance(source, str) else list(source)
     paths = [Path(s).expanduser() for s in items]
@@ -102,6 +102,10 @@ def _local_files(source: str | list[str]) -> list[Path] | None:
         files.extend(sorted(q for q in p.rglob("*") if q.suffix in _BUILDERS) if p.is_dir() else [p])
     if not files:
         raise ValueError(f"data.source {source!r} holds no .txt/.jsonl/.json/.parquet files")
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(
+            f"data.source {source!r} is empty ({len(files)} file(s) of 0 bytes); point it at the data to train on"
+        )
     kinds = {_BUILDERS.get(f.suffix) for f in files}
     if None in kinds or len(kinds) != 1:
         raise ValueError(
@@ -122,7 +126,7 @@ def _source_entries(data: DataConfig) -> list[tuple[str | list[str], str]]:
 def _hash_source(h, source: str | list[str]) -> None:
     repo = dataset_repo(source)
     if repo is None:
-        files = _local_files(source)
+        files = local_data_files(source)
     elif Path(repo).expanduser().is_dir():  # a local dataset folder: every file in it counts
         files = sorted(p for p in Path(repo).expanduser().rglob("*") if p.is_file() and ".git" not in p.parts)
     else:
@@ -169,7 +173,7 @@ def _load_raw(source: str | list[str], split: str, config: str | None = None):
             "plain data files; drop data.config, or point data.source at a Hub dataset or a dataset folder whose "
             "README declares its configs"
         )
-    files = _local_files(source)
+    files = local_data_files(source)
     builder = _BUILDERS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)

@@ -2,12 +2,15 @@
 
 torchrun runs in its own process group (session), so cancelling the caller, a Ctrl-C or an
 exception ends every rank: the group is signalled in a ``finally``, SIGTERM first, SIGKILL after
-a grace period. Structured lines from rank 0 (``train.EVENT_PREFIX``) become events for the
+a grace period. If the caller dies without running its ``finally`` (SIGKILL, or a signal whose
+default action ends it), the kernel sends torchrun SIGTERM (``die_with_parent``) and torchrun
+ends its ranks. Structured lines from rank 0 (``train.EVENT_PREFIX``) become events for the
 caller; everything else is passed through as log lines.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -24,6 +27,26 @@ from pathlib import Path
 from .config import JobConfig, LaunchConfig
 from .train import EVENT_PREFIX
 from .utils import write_line
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a child that must not outlive this process, or None where the kernel
+    has no parent-death signal (Linux only). The child gets SIGTERM when the thread that started
+    it ends, however it ends, SIGKILL included; a parent already gone by the time the child runs
+    the call is caught by comparing ``parent_pid``. The C library is loaded here, before the
+    fork, so between fork and exec the child makes only the one foreign call."""
+    if _LIBC is None:
+        return None
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 class TrainingFailed(RuntimeError):
@@ -143,7 +166,13 @@ def run_torchrun(
     tail: deque[str] = deque(maxlen=40)
     state = {"final_step": 0, "resumed_from_step": 0, "last_metrics": {}}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()),
     )
     try:
         assert proc.stdout is not None
@@ -272,7 +301,16 @@ def run_ranks(
     child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     pipe = subprocess.PIPE
-    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=child_env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        env=child_env,
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()),
+    )
     timed_out, watcher_error = False, []
     watcher = None
     if on_start:

@@ -332,7 +332,13 @@ class FinetuneConfig(_Section):
             p = Path(path)
             if not p.is_file():
                 raise ValueError(f"config file {p} does not exist")
-            data = yaml.safe_load(p.read_text()) or {}
+            try:
+                data = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                where = getattr(e, "problem_mark", None)
+                at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                raise ValueError(f"config file {p} is not valid YAML: {problem}{at}; fix the syntax there") from None
             if not isinstance(data, dict):
                 raise ValueError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
         for item in overrides or []:
@@ -361,6 +367,28 @@ def plan_layout(
         predicted_tokens_per_s=best.tokens_per_s,
         notes=[*checked.notes, note],
     ), resolved.search
+
+
+def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upload: bool = False) -> None:
+    """Every check that needs this machine, the model's or the data's files or the Hub, made
+    before any data is read or any rank starts: the CLI makes it before it starts anything, the
+    flow as its first step. A Hub model is checked by the plan step once fetched. Raises
+    ``ValueError`` naming the key and the fix."""
+    from neuron_parallel.data import local_data_files
+    from neuron_parallel.models.causal_lm import resolve_model_dir
+    from neuron_parallel.preflight import check_device, check_hub, check_model_dir
+
+    check_device(config.to_launch())
+    for source in (config.data.source, config.data.eval_source):
+        if source is not None:
+            local_data_files(source)
+    name = config.model.name_or_path
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        model_dir = resolve_model_dir(name)  # a local path: refused here if it is not a model directory
+        check_model_dir(model_dir)
+        plan_layout(config, model_dir)
+    if check_upload and config.hub.repo_id:
+        check_hub(config.hub.endpoint, config.hub.repo_id, hub_token)
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:

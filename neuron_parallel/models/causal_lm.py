@@ -45,7 +45,13 @@ def load_config(model_dir: str | Path):
     """The model's ``PretrainedConfig``, refusing architectures the stage code does not know."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:  # unreadable or not JSON, or no model_type
+        raise ValueError(
+            f"{model_dir}/config.json does not load as a model config ({str(e).splitlines()[0]}); "
+            "save the model with save_pretrained, or fix the file"
+        ) from None
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model type {config.model_type!r} in {model_dir} is not supported; "

@@ -123,11 +123,13 @@ def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_
 
 
 def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
-    """Consolidate and upload are one transaction: a refused upload (bad token) removes the
-    consolidated directory again; the checkpoints stay."""
+    """Consolidate and upload are one transaction: an upload that fails (the server cuts every
+    commit, both attempts) removes the consolidated directory again; the checkpoints stay."""
     from neuron_flows.flows.finetune import finetune
 
-    monkeypatch.setenv("HF_TOKEN", "hf_not_a_valid_token")
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    for _ in range(8):  # more than every attempt the upload step and its client make
+        hub.fail_next_commit()
     config = _tiny_run(
         tiny_world, tmp_path, "train.max_steps=2", f"hub.repo_id={hub.user}/x", f"hub.endpoint={hub.url}"
     )
