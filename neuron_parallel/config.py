@@ -412,9 +412,19 @@ class LaunchConfig:
     """Share of each rank's device memory a planned layout may fill: the planner accepts a layout
     only if its predicted peak per rank is at most this × the hardware's memory per rank; the rest
     is headroom for what the prediction misses."""
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait for another rank before the job fails: a rank that hangs or
+    dies ends the run within this time (then retry: it resumes from the last complete checkpoint)
+    instead of holding every other rank. It also bounds rank 0's wait for the other ranks' parts
+    of a checkpoint, so it must exceed the longest step, evaluation or checkpoint write."""
 
     def __post_init__(self) -> None:
         _check_choice("launch", "device", self.device, Device)
+        if not self.timeout_s > 0:
+            raise ValueError(
+                f"launch.timeout_s must be > 0, got {self.timeout_s}; it is how many seconds a collective waits "
+                "for another rank, e.g. 1800 (the default) or 600"
+            )
         if self.omp_num_threads < 1:
             raise ValueError(f"launch.omp_num_threads must be >= 1, got {self.omp_num_threads}")
         if not 0 < self.memory_fraction <= 1:

@@ -11,10 +11,12 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend  # what init_device_mesh takes options as
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .utils import DEVICE_BACKENDS
@@ -37,15 +39,18 @@ def local_device(device_type: str) -> torch.device:
     return torch.device(device_type, index)
 
 
-def init_distributed(device_type: str) -> None:
-    """Join the process group torchrun describes (a world of one when run without torchrun)."""
+def init_distributed(device_type: str, timeout_s: float | None = None) -> None:
+    """Join the process group torchrun describes (a world of one when run without torchrun).
+    ``timeout_s`` (``launch.timeout_s``) is how long a collective waits for a peer before it
+    raises; torch's default (30 minutes) when None."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend_for(device_type))
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    dist.init_process_group(backend_for(device_type), timeout=timeout)
 
 
 def close_distributed() -> None:
@@ -84,6 +89,10 @@ class ParallelDims:
     pp: int
     tp: int
     device_type: str = "cpu"
+    timeout_s: float | None = None
+    """How long a collective of each mesh axis's group waits for a peer (``launch.timeout_s``);
+    torch's default when None. DeviceMesh creates those groups itself, and they do not inherit
+    the world group's timeout."""
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,9 +115,24 @@ class ParallelDims:
                     f"{self.tp} = {self.world_size}; launch {self.world_size} ranks or change the split"
                 )
             self._mesh = init_device_mesh(
-                self.device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp")
+                self.device_type,
+                (self.dp, self.pp, self.tp),
+                mesh_dim_names=("dp", "pp", "tp"),
+                backend_override=self._axis_options(),
             )
         return self._mesh
+
+    def _axis_options(self) -> dict | None:
+        """Backend options carrying ``timeout_s`` for every axis, or None for torch's default."""
+        if self.timeout_s is None:
+            return None
+        backend = dist.get_backend()
+        options = {}
+        for axis in ("dp", "pp", "tp"):
+            opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else C10dBackend.Options(backend)
+            opts._timeout = timedelta(seconds=self.timeout_s)
+            options[axis] = opts
+        return options
 
     def coordinates(self) -> dict[str, int]:
         """This rank's (dp_rank, pp_rank, tp_rank)."""

@@ -38,6 +38,7 @@ from .checkpoint.engine_state import (
 )
 from .checkpoint.format import TRAINER_STATE
 from .checkpoint.resume import find_resume_checkpoint
+from .checkpoint.save import CheckpointSaveFailed
 from .config import JobConfig
 from .engine import Engine, build_engine
 from .memprof import RankMemoryProbe
@@ -158,6 +159,7 @@ class Trainer:
         t_start = time.perf_counter()
         step = start_step
         while step < tc.max_steps and not self.eval_state.stopped_early:
+            self.writer.check()  # a failed background save stops every rank here, within a step
             step += 1
             record = self.train_step(step)
             record["elapsed_s"] = time.perf_counter() - t_start
@@ -275,9 +277,9 @@ def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None =
     """Train ``job`` on this rank (inside torchrun); ``after_checkpoint`` hooks run after every
     checkpoint (see :data:`CheckpointHook`)."""
     check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
-    init_distributed(job.device)
+    init_distributed(job.device, timeout_s=job.launch.timeout_s)
     pc = job.parallel
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=job.launch.timeout_s)
     run_dir = Path(job.output_dir)
     probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
     with probe or contextlib.nullcontext():
@@ -306,8 +308,16 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     layout = {"tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, **batch_layout(job)}
     emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **layout)
     writer = CheckpointWriter(
-        run_dir, coords=dims.coordinates(), model_dir=job.model_path, keep=tc.keep_checkpoints, async_save=tc.async_save
+        run_dir,
+        coords=dims.coordinates(),
+        model_dir=job.model_path,
+        keep=tc.keep_checkpoints,
+        async_save=tc.async_save,
+        timeout_s=job.launch.timeout_s,
+        device=engine.device,
     )
+    for name in writer.remove_partial():
+        emit("warning", message=f"removed {run_dir / name}, the partial folder of a checkpoint save cut short")
     eval_rows = EvalRows(job.eval_dataset_path) if job.eval_dataset_path else None
     trainer = Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks, eval_rows, eval_state, base)
     return trainer, start_step
@@ -395,8 +405,36 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m neuron_parallel.train RUN_DIR/job.json")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run_training(JobConfig.load(argv[0]), after_checkpoint=_hooks_from_env())
+    job = JobConfig.load(argv[0])
+    try:
+        run_training(job, after_checkpoint=_hooks_from_env())
+    except Exception as e:
+        why = _why_stopped(e, job)
+        if why is None:
+            raise
+        if why:
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), (why + "\n").encode())  # one write: the launcher shows the last lines
+        exit_rank(1)
     exit_rank(0)
+
+
+def _why_stopped(error: Exception, job: JobConfig) -> str | None:
+    """What a rank that ``error`` stops says: a failed checkpoint save (every rank has it; rank 0
+    tells, the others say nothing) or a collective that waited past ``launch.timeout_s``. None
+    for any other error, which propagates with its traceback."""
+    rank = os.environ.get("RANK", "0")
+    if isinstance(error, CheckpointSaveFailed):
+        return f"error: {error}" if rank == "0" else ""
+    text = str(error).strip()
+    if not isinstance(error, RuntimeError) or not ("timed out" in text.lower() or "timeout" in text.lower()):
+        return None
+    return (
+        f"error: rank {rank} waited more than launch.timeout_s={job.launch.timeout_s:g} s for another rank in a "
+        f"collective ({text.splitlines()[0] if text else type(error).__name__}): a rank hung, stopped or died. "
+        "Training stopped; run again to resume from the last complete checkpoint (raise launch.timeout_s if a "
+        "step, evaluation or checkpoint write legitimately takes longer)."
+    )
 
 
 if __name__ == "__main__":

@@ -8,11 +8,19 @@ folder into place and writes ``COMPLETE`` last. Ranks coordinate through those f
 collectives, so the writing can run in a background thread while training's own collectives go
 on. A crash at any point leaves the previous checkpoints untouched and at most a folder without
 ``COMPLETE``, which does not count.
+
+A write that fails (a full disk, a file over the size limit) must stop every rank, not only the
+one that saw it: while a save is in flight the training thread calls ``check`` every step, the
+ranks agree through one small all-reduce whether any rank failed, and all raise
+``CheckpointSaveFailed`` together. Every file and folder is fsynced before the name that makes
+it count (the rename into place, then ``COMPLETE``) is written.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import threading
 import time
@@ -25,7 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..utils import fsync_path, sha256_file
+from ..utils import atomic_write, fsync_path, sha256_file
 from .format import (
     COMPLETE,
     HF_FILES,
@@ -34,6 +42,7 @@ from .format import (
     Manifest,
     Piece,
     TensorEntry,
+    checkpoint_step,
     is_complete,
     list_checkpoints,
     model_file,
@@ -41,7 +50,7 @@ from .format import (
 )
 from .tensors import dtype_name, local_view
 
-__all__ = ["CheckpointWriter", "sha256_file"]
+__all__ = ["CheckpointSaveFailed", "CheckpointWriter", "sha256_file"]
 
 _RANK_LISTING = "rank_{:05d}.json"
 
@@ -69,9 +78,21 @@ def _stage(named: dict[str, torch.Tensor], tp_rank: int, rel: str, kind: str):
     return tensors, pieces
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written on some rank. Raised on every rank at the same point
+    (the ranks agree on it), naming the checkpoint, each rank's error and what to do."""
+
+
+class _Cancelled(Exception):
+    """Rank 0's finishing of a save that another rank failed was called off."""
+
+
 class CheckpointWriter:
     """Writes checkpoints of one run; ``save`` returns once tensors are on the host when
-    ``async_save`` is set, and ``wait`` blocks until the last save is complete."""
+    ``async_save`` is set, ``check`` (every step) stops every rank as soon as any rank's write
+    failed, and ``wait`` blocks until the last save is complete on every rank. ``timeout_s``
+    bounds rank 0's wait for the other ranks' parts (``launch.timeout_s``); ``device`` is where
+    the small tensors of the ranks' agreement live (the backend's device)."""
 
     def __init__(
         self,
@@ -81,7 +102,8 @@ class CheckpointWriter:
         model_dir: str | Path,
         keep: int = 0,
         async_save: bool = False,
-        timeout_s: float = 3600.0,
+        timeout_s: float = 1800.0,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.run = Path(run_dir)
         self.coords = coords
@@ -89,10 +111,28 @@ class CheckpointWriter:
         self.keep = keep
         self.async_save = async_save
         self.timeout_s = timeout_s
+        self.device = torch.device(device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._step: int | None = None  # the save not yet known complete on every rank
+        self._cancel = threading.Event()
+
+    def remove_partial(self) -> list[str]:
+        """On rank 0, delete the ``checkpoint-<step>.tmp`` folders of saves cut short (they never
+        count, and a save of the same step would replace them); the names removed. Call it
+        before the first save."""
+        if self.rank != 0 or not self.run.is_dir():
+            return []
+        removed = []
+        for tmp in sorted(self.run.glob("checkpoint-*.tmp")):
+            if tmp.is_dir() and checkpoint_step(tmp.with_suffix("")) is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp.name)
+        if removed:
+            fsync_path(self.run)
+        return removed
 
     def save(
         self,
@@ -106,14 +146,21 @@ class CheckpointWriter:
     ) -> Path:
         """Save checkpoint ``step`` (a collective). ``model`` maps Hugging Face names to this
         rank's parameters, stored by dp rank 0; ``optim`` maps ``<name>.<state>`` to the optimizer
-        tensors this dp rank stores. Tensors replicated over tensor-parallel ranks are stored once."""
+        tensors this dp rank stores. Tensors replicated over tensor-parallel ranks are stored once.
+        Raises ``CheckpointSaveFailed`` on every rank if this save (or, when asynchronous, the
+        one before) failed on any rank."""
         self.wait()
         final = self.run / f"checkpoint-{step}"
         tmp = self.run / f"checkpoint-{step}.tmp"
+        self._step = step
+        error = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
+        self._agree(error, pending=False)  # also the barrier: tmp exists before any rank writes
         tp, pp, dp = self.coords["tp_rank"], self.coords["pp_rank"], self.coords["dp_rank"]
         staged = []
         if dp == 0:
@@ -124,28 +171,81 @@ class CheckpointWriter:
             "state": trainer_state,
             "adapter": adapter,
         }
-        args = (step, tmp, final, staged, meta)
-        if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=args, name=f"checkpoint-{step}", daemon=True)
-            self._thread.start()
-        else:
-            self._write(*args)
-            _barrier()
+        self._error = None
+        self._cancel.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(step, tmp, final, staged, meta), name=f"checkpoint-{step}", daemon=True
+        )
+        self._thread.start()
+        if not self.async_save:
+            self.wait()
         return final
 
+    def check(self) -> None:
+        """Call on every rank once per step: while a save is in flight, the ranks agree (a small
+        all-reduce) whether any rank's write failed, and all raise ``CheckpointSaveFailed`` if
+        so, within a step of the failure. Free when no save is in flight."""
+        if self._step is not None:
+            self._poll()
+
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("asynchronous checkpoint save failed") from error
+        """Block until the save in flight (if any) is complete on every rank (a collective);
+        raise ``CheckpointSaveFailed`` on every rank if it failed on any."""
+        while self._step is not None:
+            if self._thread is not None:
+                self._thread.join(timeout=0.05)
+            self._poll()
+
+    def _poll(self) -> None:
+        # Whether the thread is alive is read before its error: a thread seen finished has set
+        # any error it will ever set.
+        alive = self._thread is not None and self._thread.is_alive()
+        if self._agree(self._error, pending=alive):
+            self._thread, self._step = None, None
+
+    def _agree(self, error: BaseException | None, *, pending: bool) -> bool:
+        """What every rank knows about the save in flight: raises ``CheckpointSaveFailed`` on
+        every rank if any rank has an error; else whether no rank is still writing."""
+        flags = torch.tensor([float(error is not None), float(pending)], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, still_writing = flags.tolist()
+        if failed:
+            self._fail(error)
+        return not still_writing
+
+    def _fail(self, error: BaseException | None) -> None:
+        mine = None if error is None else _describe(error)
+        errors = [mine]
+        if self.world > 1:
+            errors = [None] * self.world
+            dist.all_gather_object(errors, mine)
+        self._cancel.set()  # rank 0 stops waiting for parts that will never come
+        step, self._thread, self._step, self._error = self._step, None, None, None
+        raise CheckpointSaveFailed(self._failure_message(step, errors)) from error
+
+    def _failure_message(self, step: int, errors: list[str | None]) -> str:
+        failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        previous = [c for c in list_checkpoints(self.run) if is_complete(c) and checkpoint_step(c) < step]
+        resume = (
+            f"it resumes from {previous[-1].name}, which is intact"
+            if previous
+            else "no earlier checkpoint is complete, so it starts again from step 0"
+        )
+        if any(reason in failed for reason in _DISK_FULL):
+            fix = f"free disk space where {self.run} lives (or lift the file size limit)"
+        else:
+            fix = "fix the cause above"
+        return (
+            f"checkpoint-{step} could not be saved in {self.run}: {failed}. Training stopped; "
+            f"checkpoint-{step} is incomplete and will never be resumed from. To continue, {fix}, then run "
+            f"again: {resume}."
+        )
 
     def _run(self, *args) -> None:
         try:
             self._write(*args)
-        except BaseException as e:  # surfaced by wait() in the training thread
+        except BaseException as e:  # the ranks agree on it in check() / wait(), in the training thread
             self._error = e
 
     def _write(self, step, tmp: Path, final: Path, staged, meta) -> None:
@@ -157,6 +257,8 @@ class CheckpointWriter:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path), metadata={"format": "pt"})
             fsync_path(path)
+            for folder in path.relative_to(tmp).parents:  # shards/..., shards/, then tmp itself
+                fsync_path(tmp / folder)
             files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
             pieces += rank_pieces
         listing = tmp / _RANK_LISTING.format(self.rank)
@@ -166,17 +268,27 @@ class CheckpointWriter:
         if self.rank == 0:
             self._finish(step, tmp, final, meta)
 
-    def _finish(self, step: int, tmp: Path, final: Path, meta) -> None:
+    def _await_listings(self, step: int, tmp: Path) -> list[Path]:
+        """Every rank's listing of its part, waiting at most ``timeout_s`` for them."""
         listings = [tmp / _RANK_LISTING.format(r) for r in range(self.world)]
         deadline = time.monotonic() + self.timeout_s
         while not all(p.exists() for p in listings):
+            if self._cancel.is_set():
+                raise _Cancelled(f"checkpoint-{step}")
             if time.monotonic() > deadline:
-                missing = [p.name for p in listings if not p.exists()]
-                raise TimeoutError(f"{tmp}: ranks never finished writing ({', '.join(missing[:8])} missing)")
-            time.sleep(0.02)
+                missing = [r for r, p in enumerate(listings) if not p.exists()]
+                raise TimeoutError(
+                    f"rank(s) {', '.join(map(str, missing[:16]))}{' ...' if len(missing) > 16 else ''} never "
+                    f"reported their part of checkpoint-{step} (no {listings[missing[0]].name} in {tmp}) within "
+                    f"launch.timeout_s={self.timeout_s:g} s"
+                )
+            self._cancel.wait(0.02)
+        return listings
+
+    def _finish(self, step: int, tmp: Path, final: Path, meta) -> None:
         files: dict[str, Any] = {}
         tensors: dict[str, TensorEntry] = {}
-        for path in listings:
+        for path in self._await_listings(step, tmp):
             data = json.loads(path.read_text())
             files.update(data["files"])
             for name, kind, gshape, dtype, piece in data["pieces"]:
@@ -187,8 +299,9 @@ class CheckpointWriter:
             src = self.model_dir / name
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
+                fsync_path(tmp / name)
                 files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-        (tmp / TRAINER_STATE).write_text(json.dumps(meta["state"], indent=1))
+        atomic_write(tmp / TRAINER_STATE, json.dumps(meta["state"], indent=1))
         files[TRAINER_STATE] = {
             "size": (tmp / TRAINER_STATE).stat().st_size,
             "sha256": sha256_file(tmp / TRAINER_STATE),
@@ -201,22 +314,25 @@ class CheckpointWriter:
             tensors=dict(sorted(tensors.items())),
             adapter=meta["adapter"],
         )
-        (tmp / MANIFEST).write_text(manifest.to_json())
-        fsync_path(tmp / MANIFEST)
+        atomic_write(tmp / MANIFEST, manifest.to_json())  # fsyncs tmp too: every name in it is durable
+        if self._cancel.is_set():
+            raise _Cancelled(f"checkpoint-{step}")
         if final.exists():  # an earlier, incomplete attempt at the same step
             shutil.rmtree(final)
         tmp.rename(final)
-        marker = final / (COMPLETE + ".tmp")
-        marker.write_text(json.dumps({"step": step}))
-        fsync_path(marker)
-        marker.rename(final / COMPLETE)
-        fsync_path(final)
+        fsync_path(self.run)
+        atomic_write(final / COMPLETE, json.dumps({"step": step}))  # last, and durable before it counts
         if self.keep > 0:
             complete = [c for c in list_checkpoints(self.run) if is_complete(c)]
             for old in complete[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+            fsync_path(self.run)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _describe(error: BaseException) -> str:
+    """One line for an error: its type and message (an OSError's includes the file)."""
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+_DISK_FULL = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT))
+"""How the OS words a full disk, a file over the size limit and an exhausted quota."""

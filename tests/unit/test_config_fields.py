@@ -76,6 +76,7 @@ SAMPLES = {
     "launch.rdzv_id": "job-7",
     "launch.omp_num_threads": 3,
     "launch.memory_fraction": 0.8,
+    "launch.timeout_s": 600.0,
 }
 """A valid value, other than the default, for every settable library field."""
 
