@@ -7,6 +7,17 @@ The server keeps its SQLite database under ``--home``, listens on loopback only 
 has no authentication), and has telemetry off. Everything started here runs in its own process
 group and is stopped by Ctrl-C or SIGTERM, children first. ``--register-only`` registers pools
 and deployments on the server at ``PREFECT_API_URL`` and exits.
+
+What serve does when a part of the service dies (at most ``MAX_RESTARTS`` times per part within
+``RESTART_WINDOW_S``, then it stops everything and exits 1):
+
+* The server exits: started again on the same port and database. Flow runs keep going meanwhile;
+  their API calls wait and retry (``PREFECT_CLIENT_MAX_RETRIES`` below) until it answers again.
+* The worker exits: before a new worker starts, the runs of the ``local`` pool that are Pending or
+  Running with no flow-run process left are marked Crashed (Retry in the UI resumes them from
+  their last checkpoint), and what those processes started (torchrun, ranks) is ended.
+* A flow-run process dies, worker alive: the worker marks the run Crashed; serve ends what the
+  process left behind, found by the run id every process of a run carries (``PREFECT__FLOW_RUN_ID``).
 """
 
 from __future__ import annotations
@@ -15,11 +26,13 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 import yaml
@@ -27,6 +40,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ROOT / "deployments" / "prefect.yaml"
 _ENV_REF = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+POOL = "local"
+"""The work pool the worker started here serves."""
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
+SERVE_ID_ENV = "NEURON_FLOWS_SERVE_ID"
+"""Set in everything serve starts, inherited down to the ranks: what serve ends when it stops."""
+RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"
+"""Set by the worker in a flow-run process, inherited by torchrun and the ranks."""
+_SWEEP_EVERY_S = 2.0
 
 
 def _fill_env(value):
@@ -114,18 +136,12 @@ def _wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> Non
     raise RuntimeError(f"the Prefect server did not answer at {api}/health within {timeout:.0f} s")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when ``serve`` dies, even by SIGKILL, so no
-    server or worker outlives it."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, env=env, cwd=ROOT, start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None
-    )
+    """Start ``cmd`` in a session of its own; it gets SIGTERM when serve dies, even by SIGKILL,
+    so no server or worker outlives it."""
+    from neuron_parallel.launch import die_with_parent
+
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -133,6 +149,167 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
     for proc in procs:  # the worker (and any flow run it started) first, then the server
         kill_tree(proc)
+
+
+class _Child:
+    """The server or the worker: a subprocess that serve starts again when it exits."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict) -> None:
+        self.name, self.cmd, self.env = name, cmd, env
+        self.proc = _start(cmd, env)
+        self._restarts: deque[float] = deque()
+
+    def restart(self) -> bool:
+        """Start the command again; False, with nothing started, once it has been restarted
+        ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= MAX_RESTARTS:
+            return False
+        self._restarts.append(now)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever the dead one left in its process group
+        except ProcessLookupError:
+            pass
+        self.proc = _start(self.cmd, self.env)
+        return True
+
+
+def _processes() -> list[tuple[int, str, dict[str, str]]]:
+    """(pid, command line, environment) of every live process of this user but this one (Linux)."""
+    out = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited already, waiting to be reaped
+            cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            raw = Path(entry.path, "environ").read_bytes().decode(errors="replace")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        out.append((int(entry.name), cmd, dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)))
+    return out
+
+
+def _runs_processes(serve_id: str | None = None) -> dict[str, list[tuple[int, str]]]:
+    """Live processes of flow runs by run id (the flow-run process, torchrun, the ranks); with
+    ``serve_id``, only those started under that serve."""
+    runs: dict[str, list[tuple[int, str]]] = {}
+    for pid, cmd, env in _processes():
+        if RUN_ID_ENV in env and (serve_id is None or env.get(SERVE_ID_ENV) == serve_id):
+            runs.setdefault(env[RUN_ID_ENV], []).append((pid, cmd))
+    return runs
+
+
+def _has_flow_run_process(procs: list[tuple[int, str]]) -> bool:
+    """Whether a run's processes include its flow-run process: the Prefect process the worker
+    started (``python -m prefect.engine``, first a workspace supervisor that execs into it), as
+    opposed to torchrun and the ranks it starts."""
+    return any(re.search(r"(^|\s)-m prefect[.\s]|/prefect\s", cmd) for _, cmd in procs)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _end(pids: list[int], grace_s: float = 5.0) -> None:
+    """SIGTERM (torchrun passes it on to the ranks), then SIGKILL what is left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+
+
+def end_orphans(serve_id: str) -> list[int]:
+    """End the processes of flow runs whose flow-run process is gone: the torchrun and ranks that a
+    killed flow-run process leaves behind, which would otherwise go on writing into the run
+    directory a retry resumes from. Returns their pids."""
+    pids = [pid for procs in _runs_processes(serve_id).values() if not _has_flow_run_process(procs) for pid, _ in procs]
+    _end(pids)
+    return pids
+
+
+async def crash_lost_runs(pool: str = POOL) -> list[str]:
+    """Mark Crashed the runs of ``pool`` that are Pending or Running although no flow-run process
+    of theirs is alive: their worker died with them, so nothing else will. Call it while no worker
+    serves the pool (no run can be starting meanwhile). Returns the runs' names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    alive = {run_id for run_id, procs in _runs_processes().items() if _has_flow_run_process(procs)}
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))
+            ),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
+        )
+        lost = [run for run in runs if str(run.id) not in alive]
+        for run in lost:
+            message = "its flow-run process is gone (the worker that ran it died); Retry resumes it"
+            await client.set_flow_run_state(run.id, Crashed(message=message))
+    return [run.name for run in lost]
+
+
+def _mark_lost_runs() -> None:
+    try:
+        names = asyncio.run(crash_lost_runs())
+    except Exception as err:  # the server may be down too: the runs stay as they are, the worker still starts
+        print(f"warning: could not check for runs left without a process: {err}", file=sys.stderr, flush=True)
+        return
+    if names:
+        print(f"marked Crashed, no process left: {', '.join(names)}", flush=True)
+
+
+def _supervise(children: list[_Child], api: str, serve_id: str) -> int:
+    """Until a signal arrives: start the server or the worker again when it exits, and end the
+    processes of runs whose flow-run process died. Returns 1 once a child has used up its restarts."""
+    last_sweep = time.monotonic()
+    while True:
+        time.sleep(1)
+        for child in reversed(children):  # the server first: the worker's restart needs the API
+            code = child.proc.poll()
+            if code is None:
+                continue
+            print(f"{child.name} exited with code {code}", flush=True)
+            if child.name == "worker":
+                end_orphans(serve_id)
+                _mark_lost_runs()
+            if not child.restart():
+                print(
+                    f"error: {child.name} exited {MAX_RESTARTS + 1} times within {RESTART_WINDOW_S:.0f} s",
+                    file=sys.stderr,
+                )
+                return 1
+            if child.name == "server":
+                try:
+                    _wait_healthy(api, child.proc)
+                except RuntimeError as err:
+                    print(f"warning: {err}", file=sys.stderr, flush=True)
+                    continue
+            print(f"{child.name} started again", flush=True)
+        if time.monotonic() - last_sweep >= _SWEEP_EVERY_S:
+            last_sweep = time.monotonic()
+            if pids := end_orphans(serve_id):
+                print(f"ended {len(pids)} processes of runs whose flow-run process died", flush=True)
 
 
 def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
@@ -144,6 +321,7 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         )
     home.mkdir(parents=True, exist_ok=True)
     api = f"http://{host}:{port}/api"
+    serve_id = f"{os.getpid()}-{secrets.token_hex(8)}"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home.resolve()),
@@ -155,10 +333,14 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         # Training saturates small machines; give SQLite writes longer than the 10 s default
         # before the server answers 503.
         "PREFECT_SERVER_DATABASE_TIMEOUT": os.environ.get("PREFECT_SERVER_DATABASE_TIMEOUT", "30"),
+        # A client retries a refused or dropped API call with backoff 2, 4, 8, ... s: 7 retries
+        # outlast a server restart of up to 4 minutes (the default 5, about one minute).
+        "PREFECT_CLIENT_MAX_RETRIES": os.environ.get("PREFECT_CLIENT_MAX_RETRIES", "7"),
         "NEURON_FLOWS_ROOT": str(ROOT),
+        SERVE_ID_ENV: serve_id,
     }
     os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_API_URL", "NEURON_FLOWS_ROOT")})
-    procs: list[subprocess.Popen] = []
+    children: list[_Child] = []  # in the order they stop: the worker before the server
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -167,31 +349,27 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)], env)
-        procs.insert(0, server)
-        _wait_healthy(api, server)
+        server_cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
+        children.append(_Child("server", server_cmd, env))
+        _wait_healthy(api, children[0].proc)
         names = asyncio.run(register(load_spec()))
         if worker:
-            procs.insert(
-                0,
-                _start(
-                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "local", "--type", "process"], env
-                ),
-            )
+            _mark_lost_runs()  # runs a worker of an earlier serve left Running when it was killed
+            worker_cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
+            children.insert(0, _Child("worker", worker_cmd, env))
         print(f"Prefect UI: http://{host}:{port}/", flush=True)
         print(f"deployments: {', '.join(names)}", flush=True)
         print(
-            "worker: " + ("pool 'local'" if worker else "none") + "; Ctrl-C stops everything started here", flush=True
+            "worker: " + (f"pool '{POOL}'" if worker else "none") + "; Ctrl-C stops everything started here",
+            flush=True,
         )
-        while all(p.poll() is None for p in procs):
-            time.sleep(1)
-        dead = next(p for p in procs if p.poll() is not None)
-        print(f"error: {' '.join(dead.args[2:5])} exited with code {dead.returncode}", file=sys.stderr)
-        return 1
+        return _supervise(children, api, serve_id)
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop(procs)
+        _stop([child.proc for child in children])
+        # Flow runs the worker started are in sessions of their own: end them and what they started.
+        _end([pid for pid, _, env in _processes() if env.get(SERVE_ID_ENV) == serve_id])
         print("stopped", flush=True)
 
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants
+from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .checkpoint.output import OWNER_FILE
@@ -111,6 +113,9 @@ def upload_model(
     token: str | None = None,
     private: bool = False,
     commit_message: str = "Upload fine-tuned model",
+    retries: int = 0,
+    retry_delay_s: float = 5.0,
+    on_retry: Callable[[int, Exception], None] | None = None,
 ) -> HubCommit:
     """Create ``repo_id`` if needed and upload every file of ``model_dir`` to its ``main`` in one commit.
 
@@ -118,7 +123,14 @@ def upload_model(
     ``private`` applies only when the repo is created; an existing repo keeps its visibility.
     ``model_dir`` may be a peft adapter directory, with the merged model in a ``merged/`` folder.
     Files under ``.git/`` and ``.cache/huggingface/`` are skipped, as ``upload_folder`` does;
-    files unchanged on the server are left out of the commit by huggingface_hub.
+    files unchanged on the server are left out of the commit by huggingface_hub, and when no file
+    changed no commit is made: the returned ``HubCommit`` is then the branch's current head.
+
+    A failure that another attempt may not meet (a dropped or refused connection, a timeout, an
+    HTTP 5xx, 408 or 429) is retried up to ``retries`` times, ``retry_delay_s`` apart, calling
+    ``on_retry(attempt, error)`` before each. Retrying is safe: LFS files already on the server are
+    not sent again, and a commit the server made but whose answer was lost is not made twice,
+    because the retry finds every file already there.
 
     For an endpoint other than the public Hub, Xet is switched off for the duration of the call and
     large files go through git-LFS, which every Hub-compatible server implements; huggingface_hub offers
@@ -132,15 +144,36 @@ def upload_model(
     subclass) on HTTP errors, e.g. 401 without a valid token.
     """
     model_dir = _check_model_dir(model_dir)
-    operations = [
-        CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=local_path)
-        for path_in_repo, local_path in _model_files(model_dir)
-    ]
+    files = list(_model_files(model_dir))
     api = HfApi(endpoint=endpoint, token=token)
-    with _xet_off_unless_public_hub(api.endpoint):
-        repo_url = api.create_repo(repo_id, exist_ok=True, private=private)
-        info = api.create_commit(repo_url.repo_id, operations=operations, commit_message=commit_message)
-    return HubCommit(repo_id=repo_url.repo_id, revision=info.oid, url=info.commit_url)
+    for attempt in range(1, retries + 2):
+        # New operations each attempt: huggingface_hub keeps what the server said about a file in its
+        # operation, and reusing one would skip the fresh check that keeps a retry from committing twice.
+        operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=local) for path, local in files]
+        try:
+            with _xet_off_unless_public_hub(api.endpoint):
+                repo_url = api.create_repo(repo_id, exist_ok=True, private=private)
+                info = api.create_commit(repo_url.repo_id, operations=operations, commit_message=commit_message)
+            return HubCommit(repo_id=repo_url.repo_id, revision=info.oid, url=info.commit_url)
+        except Exception as err:
+            if attempt > retries or not _transient(err):
+                raise
+            if on_retry is not None:
+                on_retry(attempt, err)
+            time.sleep(retry_delay_s)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _transient(err: Exception) -> bool:
+    """Whether another attempt may succeed: not for a refusal such as a bad token (401), missing
+    rights (403) or an invalid request, nor for a local ``ValueError``/``OSError`` about the files."""
+    if isinstance(err, HfHubHTTPError):
+        status = err.response.status_code if err.response is not None else 0
+        return status >= 500 or status in (408, 429)
+    if isinstance(err, ConnectionError | TimeoutError):
+        return True
+    # httpx's transport errors (of whichever httpx huggingface_hub uses) are not OSErrors.
+    return not isinstance(err, ValueError | OSError)
 
 
 def _check_model_dir(model_dir: str | Path) -> Path:

@@ -22,7 +22,16 @@ def hub_token(config: FinetuneConfig) -> str | None:
     return os.environ.get("HF_TOKEN")
 
 
-@task(name="upload", **STEP_POLICY)
+# The flow runs consolidate and upload in one transaction, and Prefect (3.9) rolls the whole
+# transaction back when any attempt of a task in it fails, retried or not: a Prefect retry of the
+# upload would find the consolidated model removed. So the task makes one attempt, and the upload
+# retries transient Hub failures inside it.
+UPLOAD_POLICY = {**STEP_POLICY, "retries": 0}
+UPLOAD_RETRIES = 2
+UPLOAD_RETRY_DELAY_S = 5.0
+
+
+@task(name="upload", **UPLOAD_POLICY)
 def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: CheckedLayout) -> HubCommit | None:
     log = get_run_logger()
     metrics = result.last_metrics
@@ -51,6 +60,15 @@ def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: 
         token=hub_token(config),
         private=config.hub.private,
         commit_message=f"neuron-flows: {result.final_step} steps",
+        retries=UPLOAD_RETRIES,
+        retry_delay_s=UPLOAD_RETRY_DELAY_S,
+        on_retry=lambda attempt, err: log.warning(
+            "upload attempt %d failed (%s: %s); trying again in %.0f s",
+            attempt,
+            type(err).__name__,
+            err,
+            UPLOAD_RETRY_DELAY_S,
+        ),
     )
     log.info("uploaded to %s (revision %s)", commit.url, commit.revision)
     return commit

@@ -8,6 +8,9 @@ on the client side (see ``neuron_parallel.hub``).
 
 State lives under ``root``: content-addressed blobs in ``blobs/<sha256>`` and one JSON document per
 repo in ``repos/<type>/<namespace>/<name>.json`` with its commits and branch heads.
+
+A test can make commit requests fail for real (``LocalHub.fail_next_commit``): the server drops the
+connection halfway through the request, or after committing, without an answer.
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ _ROUTES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
     (("PUT",), re.compile(r"/lfs-upload/([0-9a-f]{64})"), "lfs_put"),
     (("GET", "HEAD"), re.compile(_OPT_PREFIX + r"/resolve/([^/]+)/(.+)"), "resolve"),
 ]
+
+
+class _DropConnection(Exception):
+    """Close the client's connection without an answer (a fault the test asked for)."""
 
 
 class HubError(Exception):
@@ -159,6 +166,15 @@ class _Server(ThreadingHTTPServer):
         self.store, self.users, self.max_body = store, dict(users), max_body
         self.secret = secrets.token_bytes(32)  # signs the pre-signed LFS upload URLs
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.commit_faults: list[str] = []  # "cut" or "lost", for the next commit requests in turn
+        self.dropped_commits = 0
+
+    def take_commit_fault(self) -> str | None:
+        with self.store.lock:
+            if not self.commit_faults:
+                return None
+            self.dropped_commits += 1
+            return self.commit_faults.pop(0)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -186,6 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(404, f"Sorry, we can't find the page you are looking for: {url.path}")
         except HubError as err:
             self._error(err)
+        except _DropConnection:
+            self.close_connection = True  # closing with the body half read makes the kernel send a reset
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away mid-response
         except Exception as err:  # a bug in this stand-in: say so loudly rather than hang the client
@@ -401,6 +419,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.query.get("create_pr"):
             raise HubError(400, "LocalHub does not support pull requests")
         rtype, repo_id, _ = self._repo(plural, namespace, name, write=True)
+        fault = self.server.take_commit_fault()
+        if fault == "cut":  # the connection drops mid-request: half the payload arrived, nothing is committed
+            self.rfile.read(int(self.headers.get("Content-Length") or 0) // 2)
+            raise _DropConnection
         try:
             lines = [json.loads(line) for line in b"".join(self._body_chunks()).splitlines() if line.strip()]
         except ValueError as err:
@@ -453,6 +475,8 @@ class _Handler(BaseHTTPRequestHandler):
             }
             state["refs"][revision] = commit_id
             store.save(rtype, repo_id, state)
+        if fault == "lost":  # committed, but the answer never reaches the client
+            raise _DropConnection
         self._send(
             200,
             {
@@ -566,6 +590,19 @@ class LocalHub:
     def url(self) -> str:
         """Base URL, to pass as ``endpoint=`` to huggingface_hub."""
         return self._server.url
+
+    def fail_next_commit(self, *, committed: bool = False) -> None:
+        """Make the next commit request fail once, as a connection dropped by the server: it reads
+        half the request body and closes the socket without an answer, so nothing is committed;
+        with ``committed``, it reads the whole request, commits, and then closes the socket without
+        an answer, so the client cannot tell the commit happened. Calls queue up, one per request."""
+        with self._server.store.lock:
+            self._server.commit_faults.append("lost" if committed else "cut")
+
+    @property
+    def dropped_commits(self) -> int:
+        """How many commit requests were failed on purpose so far."""
+        return self._server.dropped_commits
 
     def start(self) -> LocalHub:
         self._thread.start()

@@ -9,192 +9,16 @@ default parameters read `.tiny/` there (created if missing, as `make demo` does)
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-import pytest
-
 from ..conftest import ROOT
 from ..hub_server import LocalHub
+from .service_helpers import TERMINAL, alive, processes, run_dir, small
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = ROOT / ".runs" / "test-output"
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-class _RetryingClient(httpx.Client):
-    """Retries 502/503 as Prefect's own client and UI do: the server answers 503 to errors a
-    client should retry, such as a SQLite write lock held too long on a busy machine."""
-
-    def request(self, *args, **kwargs):
-        for attempt in range(6):
-            response = super().request(*args, **kwargs)
-            if response.status_code not in (502, 503):
-                return response
-            time.sleep(0.5 * 2**attempt)
-        return response
-
-
-class Service:
-    """A `neuron-flows serve` subprocess and a small client of its REST API."""
-
-    def __init__(self, home: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.ui = f"http://127.0.0.1:{self.port}"
-        self.api = f"{self.ui}/api"
-        self.home = home
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
-            "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-            "PREFECT_LOGGING_LEVEL": "INFO",
-        }
-        env.pop("PREFECT_API_URL", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_flows.flows.cli", "serve", "--port", str(self.port), "--home", str(home)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(300):
-            self.stop()
-            raise AssertionError("serve did not come up:\n" + "\n".join(self.lines[-60:]))
-        self.http = _RetryingClient(base_url=self.api, timeout=30)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if line.startswith("worker:"):
-                self.ready.set()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                from neuron_parallel.launch import kill_tree
-
-                kill_tree(self.proc, grace_s=0)
-        return self.proc.returncode
-
-    def deployment(self, name: str) -> dict:
-        r = self.http.get(f"/deployments/name/finetune/{name}")
-        r.raise_for_status()
-        return r.json()
-
-    def run_deployment(self, name: str, config: dict, job_variables: dict | None = None) -> dict:
-        dep = self.deployment(name)
-        r = self.http.post(
-            f"/deployments/{dep['id']}/create_flow_run",
-            json={"parameters": {"config": config}, "job_variables": job_variables or {}},
-        )
-        r.raise_for_status()
-        return r.json()
-
-    def flow_run(self, run_id: str) -> dict:
-        r = self.http.get(f"/flow_runs/{run_id}")
-        r.raise_for_status()
-        return r.json()
-
-    def wait(self, run_id: str, states=TERMINAL, timeout: float = 420) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            run = self.flow_run(run_id)
-            if run["state"]["type"] in states:
-                return run
-            time.sleep(1)
-        raise AssertionError(
-            f"flow run {run_id} still {run['state']['name']} after {timeout:.0f} s; serve output:\n"
-            + "\n".join(self.lines[-40:])
-        )
-
-    def task_runs(self, run_id: str) -> dict[str, dict]:
-        """The latest task run of each task of the flow run, by task name (tokenize, plan, ...)."""
-        r = self.http.post(
-            "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}
-        )
-        r.raise_for_status()
-        latest = {}
-        for t in sorted(r.json(), key=lambda t: t["created"]):
-            latest[t["name"].rsplit("-", 1)[0]] = t
-        return latest
-
-    def logs(self, run_id: str) -> list[str]:
-        out, offset = [], 0
-        while True:
-            r = self.http.post(
-                "/logs/filter",
-                json={
-                    "logs": {"flow_run_id": {"any_": [run_id]}},
-                    "limit": 200,
-                    "offset": offset,
-                    "sort": "TIMESTAMP_ASC",
-                },
-            )
-            r.raise_for_status()
-            page = [log["message"] for log in r.json()]
-            out += page
-            if len(page) < 200:
-                return out
-            offset += 200
-
-    def artifacts(self, run_id: str) -> list[dict]:
-        r = self.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}})
-        r.raise_for_status()
-        return r.json()
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    if not (ROOT / ".tiny" / "model" / "config.json").exists():
-        from neuron_parallel.tiny import make_tiny_world
-
-        make_tiny_world(ROOT / ".tiny")
-    svc = Service(tmp_path_factory.mktemp("prefect-home"))
-    made = []
-    svc.made = made
-    yield svc
-    code = svc.stop()
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
-    assert code == 0, "\n".join(svc.lines[-40:])
-    assert svc.lines[-1] == "stopped"
-
-
-def _run_dir(svc: Service, run: dict) -> Path:
-    path = ROOT / ".runs" / run["name"]
-    svc.made.append(path)
-    return path
-
-
-def _small(tiny: dict | None = None, **train) -> dict:
-    """Deployment parameters for a short run (what a user would type into the form)."""
-    return {
-        "launch": {"device": "cpu", "nproc_per_node": 2, "retries": 0},
-        "data": {"block_size": 32},
-        "train": {"max_steps": 8, "save_every": 4, "micro_batch_size": 4, "lr": 3e-3, **train},
-        "output": {"dir": ".runs/{flow_run_name}"},
-        **(tiny or {}),
-    }
 
 
 def test_serve_registers_the_deployments(service):
@@ -265,7 +89,7 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
         new = service.http.post("/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}).json()
         assert new and new[0]["id"] not in before, (name, new)
         run = new[0]
-        run_dir = _run_dir(service, run)
+        out_dir = run_dir(service, run)
         assert run["deployment_id"] == dep["id"]
         final = service.wait(run["id"])
         page.goto(f"{service.ui}/runs/flow-run/{run['id']}", wait_until="networkidle")
@@ -281,8 +105,8 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
         browser.close()
     assert width > 300, "the loss curve did not render in the UI"
     assert final["state"]["type"] == "COMPLETED", final["state"]
-    assert (run_dir / "consolidated" / "model.safetensors").stat().st_size > 1_000_000
-    assert (run_dir / "checkpoint-40" / "COMPLETE").exists()
+    assert (out_dir / "consolidated" / "model.safetensors").stat().st_size > 1_000_000
+    assert (out_dir / "checkpoint-40" / "COMPLETE").exists()
     keys = {a["key"] for a in service.artifacts(run["id"])}
     assert {"plan", "train-progress", "summary"} <= keys
     assert all(not u.startswith("http://127.0.0.1") for u in blocked)
@@ -299,7 +123,7 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
     every_minute = {
         **local,
         "name": "every-minute",
-        "parameters": {"config": _small()},
+        "parameters": {"config": small()},
         "schedules": [{"cron": "* * * * *", "timezone": "UTC"}],
     }
     with temporary_settings({PREFECT_API_URL: service.api}):
@@ -317,14 +141,14 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
         assert runs, "the schedule created no run"
         first = runs[0]
         assert first["auto_scheduled"] is True
-        _run_dir(service, first)
+        run_dir(service, first)
         done = service.wait(first["id"])
         assert done["state"]["type"] == "COMPLETED", done["state"]
-        assert (_run_dir(service, first) / "consolidated" / "model.safetensors").exists()
+        assert (run_dir(service, first) / "consolidated" / "model.safetensors").exists()
     finally:
         service.http.delete(f"/deployments/{dep['id']}")
         for run in service.http.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [dep["id"]]}}}).json():
-            _run_dir(service, run)
+            run_dir(service, run)
 
 
 def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_path):
@@ -342,15 +166,15 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
         with temporary_settings({PREFECT_API_URL: service.api}):
             Secret(value=token).save("hf-token-test", overwrite=True)
         crashing = service.run_deployment(
-            "local", _small(), job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}}
+            "local", small(), job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}}
         )
         clean = service.run_deployment(
             "local",
-            {**_small(), "hub": {"repo_id": "alice/tiny-ft", "endpoint": hub.url, "token_secret": "hf-token-test"}},
+            {**small(), "hub": {"repo_id": "alice/tiny-ft", "endpoint": hub.url, "token_secret": "hf-token-test"}},
         )
         failed = service.wait(crashing["id"])
         assert failed["state"]["type"] == "FAILED", failed["state"]
-        crash_dir = _run_dir(service, crashing)
+        crash_dir = run_dir(service, crashing)
         assert (crash_dir / "checkpoint-4" / "COMPLETE").exists() and not (crash_dir / "checkpoint-8").exists()
         first_tasks = service.task_runs(crashing["id"])
         assert first_tasks["train"]["state"]["type"] == "FAILED"
@@ -376,7 +200,7 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
 
         done = service.wait(clean["id"])
         assert done["state"]["type"] == "COMPLETED", done["state"]
-        clean_dir = _run_dir(service, clean)
+        clean_dir = run_dir(service, clean)
         a = load_file(crash_dir / "consolidated" / "model.safetensors")
         b = load_file(clean_dir / "consolidated" / "model.safetensors")
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
@@ -396,50 +220,29 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
 
 
 def test_cancel_ends_the_whole_process_tree(service):
-    run = service.run_deployment("local", _small(max_steps=100_000, save_every=0))
-    _run_dir(service, run)
+    run = service.run_deployment("local", small(max_steps=100_000, save_every=0))
+    run_dir(service, run)
     job = f"{run['name']}/job.json"  # torchrun and the ranks get the path relative to the repository
     deadline = time.monotonic() + 300
     ranks: list[int] = []
     while time.monotonic() < deadline and len(ranks) < 2:
         ranks = [
             pid
-            for pid, cmd in _processes()
+            for pid, cmd in processes()
             if "neuron_parallel.train" in cmd and job in cmd and "torch.distributed.run" not in cmd
         ]
         time.sleep(1)
     assert len(ranks) == 2, "the training ranks never started"
-    tree = [pid for pid, cmd in _processes() if job in cmd]
+    tree = [pid for pid, cmd in processes() if job in cmd]
     r = service.http.post(f"/flow_runs/{run['id']}/set_state", json={"state": {"type": "CANCELLING"}, "force": True})
     assert r.status_code in (200, 201), r.text
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 30 and any(_alive(pid) for pid in tree):
+    while time.monotonic() - t0 < 30 and any(alive(pid) for pid in tree):
         time.sleep(0.2)
     elapsed = time.monotonic() - t0
-    left = [(pid, cmd) for pid, cmd in _processes() if job in cmd]
+    left = [(pid, cmd) for pid, cmd in processes() if job in cmd]
     print(f"cancel: {len(tree)} processes of the run gone {elapsed:.1f} s after the cancel request")
     assert not left, left
     assert elapsed <= 10 + 4, f"processes of the run lived {elapsed:.1f} s after the cancel"  # worker poll: 2 s
     final = service.wait(run["id"])
     assert final["state"]["type"] == "CANCELLED", final["state"]
-
-
-def _processes() -> list[tuple[int, str]]:
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                out.append((int(entry.name), cmd))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -1,0 +1,27 @@
+"""The end-to-end tier's fixtures."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ..conftest import ROOT
+from .service_helpers import Service
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    if not (ROOT / ".tiny" / "model" / "config.json").exists():
+        from neuron_parallel.tiny import make_tiny_world
+
+        make_tiny_world(ROOT / ".tiny")
+    svc = Service(tmp_path_factory.mktemp("prefect-home"))
+    made = []
+    svc.made = made
+    yield svc
+    code = svc.stop()
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+    assert code == 0, "\n".join(svc.lines[-40:])
+    assert svc.lines[-1] == "stopped"
