@@ -59,8 +59,8 @@ def reference(tiny_world, tiny_dataset, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("lora-ref"), 1, {}, tiny_world["model"], tiny_dataset.path)
 
 
-# dp2 with ZeRO-1 and pp2 also run inside dp2-tp2-pp2; `make test-slow` (and CI) runs them alone.
-SLOW = {"dp2-zero1", "pp2"}
+# The 8-rank combination runs in `make test-slow` (and CI); the fast tier runs each part alone.
+SLOW = {"dp2-tp2-pp2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
@@ -82,6 +82,7 @@ def test_lora_layout_matches_one_process(name, reference, tiny_world, tiny_datas
     assert mine.manifest.adapter["lora"]["r"] == 4 and mine.manifest.adapter["base_model"]["sha256"]
 
 
+@pytest.mark.slow
 def test_lora_kill_9_after_a_checkpoint_resumes_to_bit_identical_adapters(tiny_world, tiny_dataset, tmp_path):
     train = dict(TRAIN, max_steps=8, save_every=4, keep_checkpoints=2, micro_batch_size=4, async_save=True)
     model, data = tiny_world["model"], tiny_dataset.path
@@ -112,6 +113,7 @@ def test_lora_kill_9_after_a_checkpoint_resumes_to_bit_identical_adapters(tiny_w
         assert all(torch.equal(a.read(n), b.read(n)) for n in b.names(kind))
 
 
+@pytest.mark.slow
 def test_a_tp2_lora_checkpoint_resumes_at_tp1(tiny_world, tiny_dataset, tmp_path):
     train = dict(TRAIN, max_steps=6, save_every=3, keep_checkpoints=0, global_batch_size=8, micro_batch_size=8)
     layout = dict(tp=2, sequence_parallel=True)

@@ -77,10 +77,10 @@ LAYOUTS = {
 }
 
 
-# Each of these also runs inside a combined layout of the fast tier: tp2 in dp2-tp2 and tp2-pp2,
-# pp2 in tp2-pp2 and the interleaved case, ZeRO-1 with pp in dp2-tp2-pp2. `make test-slow` runs
-# them on their own.
-SLOW = {"tp2", "pp2", "dp2-pp2"}
+# `make test-slow` (and CI) runs these; each parallelism also runs in a layout of the fast tier:
+# tp2 in dp2-tp2 and tp2-pp2, pp2 in tp2-pp2 and the interleaved case, ZeRO-1 in dp2 and dp2-tp2,
+# KV-head replication in the LoRA and tensor-parallel checks.
+SLOW = {"tp2", "pp2", "dp2-pp2", "dp2-tp2-pp2", "tp4-gqa"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
@@ -96,6 +96,7 @@ def tied_world(tmp_path_factory):
     return make_tiny_world(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_under_pp2_and_tp2(tied_world, tiny_dataset, tmp_path):
     model = tied_world["model"]
     ref = _run(tmp_path / "ref", 1, model, tiny_dataset.path)

@@ -7,6 +7,7 @@ import signal
 import time
 
 import torch
+import pytest
 from safetensors.torch import load_file
 
 from neuron_parallel.checkpoint import consolidate_checkpoint, is_complete, list_checkpoints
@@ -50,6 +51,7 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-30", "checkpoint-40"]
 
 
+@pytest.mark.slow
 def test_tp2_pp2_checkpoint_resumes_on_other_topologies(tiny_world, tiny_dataset, tmp_path):
     base = dict(max_steps=6, save_every=3, keep_checkpoints=0, lr=3e-3, warmup_steps=1, seed=4)
     layout = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4)

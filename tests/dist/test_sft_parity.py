@@ -76,8 +76,8 @@ def test_rows_are_masked_packed_documents_with_uneven_trained_tokens(chat_rows):
     assert chat_rows.eval_path and chat_rows.num_eval_blocks > 0
 
 
-# dp2 with ZeRO-1 and pp2 also run inside dp2-tp2-pp2; `make test-slow` (and CI) runs them alone.
-SLOW = {"dp2-zero1", "pp2"}
+# The 8-rank combination runs in `make test-slow` (and CI); the fast tier runs each part alone.
+SLOW = {"dp2-tp2-pp2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])

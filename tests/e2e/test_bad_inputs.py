@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -248,30 +249,56 @@ def _prepare(case: Case, tiny_world, d: Path, hub) -> dict:
     return {**_base(tiny_world, d), **case.sets({**tiny_world, "hub": hub.url}, d)}
 
 
+def _cli_args(case: Case, d: Path, sets: dict) -> list[str]:
+    if case.config is not None:
+        return [case.command, *case.config(d)]
+    args = [case.command, str(CONFIG)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, (list, dict)) else value}"]
+    return args
+
+
+def _check_refusal(name: str, case: Case, d: Path, before: dict, code: int, stderr: str, how: str) -> None:
+    assert code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr and case.message in stderr, stderr[-3000:]
+    assert stderr.count("error:") == 1, stderr[-3000:]
+    assert _snapshot(d) == before, "a refusal changed files on disk"
+    assert PHASES.index(_reached(d)) <= PHASES.index(case.phase), f"refused only after {_reached(d)}"
+    print(f"BAD-INPUT {name}: {how} refused at {case.phase}")
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_cli_refuses_it_with_exit_2(tiny_world, tmp_path, hub, name):
+def test_the_cli_refuses_it_with_exit_2(tiny_world, tmp_path, hub, monkeypatch, capfd, name):
+    """The CLI's own entry point, in this process (one Python start-up for the whole table)."""
+    from neuron_flows.flows.cli import main
+
     case = CASES[name]
     d = tmp_path / "case"
     d.mkdir()
-    sets = _prepare(case, tiny_world, d, hub)
-    if case.config is not None:
-        args = case.config(d)
-    else:
-        args = [str(CONFIG)]
-        for key, value in sets.items():
-            args += ["--set", f"{key}={json.dumps(value) if isinstance(value, (list, dict)) else value}"]
+    args = _cli_args(case, d, _prepare(case, tiny_world, d, hub))
+    before = _snapshot(d)
+    monkeypatch.setenv("HF_TOKEN", "hf_refused")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        code = main(args)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    _check_refusal(name, case, d, before, code, capfd.readouterr().err, "cli")
+
+
+@pytest.mark.parametrize("name", ["broken-yaml", "cuda-without-cuda", "unknown-role", "hub-unreachable"])
+def test_the_installed_command_refuses_it_with_exit_2(tiny_world, tmp_path, hub, name):
+    """One case per phase (and the upload's) through the installed `neuron-flows` in a process of
+    its own: the exit code and stderr a shell sees."""
+    case = CASES[name]
+    d = tmp_path / "case"
+    d.mkdir()
+    args = _cli_args(case, d, _prepare(case, tiny_world, d, hub))
     before = _snapshot(d)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_TOKEN": "hf_refused", "PREFECT_HOME": str(tmp_path / "prefect")}
-    proc = subprocess.run(
-        [str(CLI), case.command, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
-    )
-    out = proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.returncode == 2, out
-    assert "Traceback" not in proc.stderr and case.message in proc.stderr, out
-    assert proc.stderr.count("error:") == 1, out
-    assert _snapshot(d) == before, "a refusal changed files on disk"
-    assert PHASES.index(_reached(d)) <= PHASES.index(case.phase), f"refused only after {_reached(d)}"
-    print(f"BAD-INPUT {name}: cli refused at {case.phase}")
+    proc = subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    _check_refusal(name, case, d, before, proc.returncode, proc.stderr, "neuron-flows")
 
 
 def test_a_flow_run_refuses_each_in_its_phase(prefect_server, tiny_world, tmp_path, hub, monkeypatch):

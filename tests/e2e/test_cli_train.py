@@ -84,6 +84,7 @@ def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path, one_rank):
     _close(read_metrics(tmp_path / "tp2pp2"), one_rank)
 
 
+@pytest.mark.slow
 def test_two_agents_multi_node_dp2_tp2(tiny_world, tmp_path, one_rank):
     """Node 0 runs `neuron-flows train` with nnodes=2 and publishes the launch; node 1 is
     `neuron-flows join`, as on Kubernetes (deployments/trn2), and knows nothing but the file."""

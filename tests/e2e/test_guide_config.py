@@ -10,9 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ..conftest import ROOT, read_metrics
 
 
+@pytest.mark.slow
 def test_guide_config_trains_and_consolidates_a_tied_qwen2(tiny_world, tmp_path):
     run = tmp_path / "run"
     sets = {

@@ -13,6 +13,8 @@ import secrets
 import time
 from pathlib import Path
 
+import pytest
+
 from ..conftest import ROOT
 from ..hub_server import LocalHub
 from .service_helpers import TERMINAL, alive, processes, run_dir, small
@@ -112,6 +114,7 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
     assert all(not u.startswith("http://127.0.0.1") for u in blocked)
 
 
+@pytest.mark.slow
 def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
     import asyncio
 
