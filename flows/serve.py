@@ -210,15 +210,10 @@ def _has_flow_run_process(procs: list[tuple[int, str]]) -> bool:
     return any(re.search(r"(^|\s)-m prefect[.\s]|/prefect\s", cmd) for _, cmd in procs)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _end(pids: list[int], grace_s: float = 5.0) -> None:
     """SIGTERM (torchrun passes it on to the ranks), then SIGKILL what is left after ``grace_s``."""
+    from neuron_parallel.launch import alive
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -226,7 +221,7 @@ def _end(pids: list[int], grace_s: float = 5.0) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
             time.sleep(0.1)
 
 

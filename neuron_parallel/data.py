@@ -30,7 +30,7 @@ from .audit import build_audit
 from .config import DataConfig
 from .packing import PACK_BATCH, count_columns, document_rows, stream_rows
 from .sft import Encoder, resolve_columns
-from .utils import sha256_file
+from .utils import names_local_path, sha256_file
 
 FORMAT_VERSION = 2
 INFO_FILE = "neuron_flows_dataset.json"
@@ -94,7 +94,7 @@ def local_data_files(source: str | list[str]) -> list[Path] | None:
     paths = [Path(s).expanduser() for s in items]
     if not all(p.exists() for p in paths):
         missing = [str(p) for p in paths if not p.exists()]
-        if isinstance(source, str) and not source.startswith((".", "/", "~")) and source.count("/") <= 1:
+        if isinstance(source, str) and not names_local_path(source):
             return None  # looks like a Hub id such as "org/name"
         raise ValueError(f"data.source: no such file or directory: {', '.join(missing)}")
     files: list[Path] = []

@@ -119,6 +119,16 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` is running: it exists and has not exited (a zombie, waiting to be
+    reaped, has), from /proc (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """End torchrun and every rank. torchrun (torch 2.13) starts each rank in a session of its
     own, so signalling torchrun's process group does not reach the ranks: SIGTERM goes to

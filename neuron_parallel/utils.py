@@ -11,6 +11,12 @@ DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
 """The torch.distributed backend of each device type."""
 
 
+def names_local_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path, never a Hub repo id (``name`` or ``org/name``):
+    it starts with ``/``, ``.`` or ``~``, or has more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
 def divisors(n: int) -> list[int]:
     """Every positive divisor of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]

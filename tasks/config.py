@@ -377,13 +377,14 @@ def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upl
     from neuron_parallel.data import local_data_files
     from neuron_parallel.models.causal_lm import resolve_model_dir
     from neuron_parallel.preflight import check_device, check_hub, check_model_dir
+    from neuron_parallel.utils import names_local_path
 
     check_device(config.to_launch())
     for source in (config.data.source, config.data.eval_source):
         if source is not None:
             local_data_files(source)
     name = config.model.name_or_path
-    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if Path(name).expanduser().exists() or names_local_path(name):
         model_dir = resolve_model_dir(name)  # a local path: refused here if it is not a model directory
         check_model_dir(model_dir)
         plan_layout(config, model_dir)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.dtensor import local, local_view
+from ..utils import names_local_path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -31,7 +32,7 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> str:
                 f"model.name_or_path {local} has no config.json; point it at a Hugging Face model directory"
             )
         return str(local)
-    if local.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+    if names_local_path(name_or_path):
         raise ValueError(
             f"model.name_or_path {name_or_path} does not exist; for a new tiny model run `neuron-flows make-tiny DIR`"
         )

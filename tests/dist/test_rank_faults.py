@@ -14,19 +14,12 @@ from pathlib import Path
 
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
 from neuron_parallel.checkpoint.resume import find_resume_checkpoint
-from neuron_parallel.launch import process_tree, run_ranks
+from neuron_parallel.launch import alive, process_tree, run_ranks
 
 from ..conftest import ROOT, read_metrics, torchrun, write_job
 
 SAVE_EVERY = 5
 STEPS = 16
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _rank_pid(tree: list[int], rank: int) -> int | None:
@@ -71,7 +64,7 @@ def test_a_rank_killed_mid_step_then_a_damaged_newest_checkpoint(tiny_world, tin
     killed = run_ranks("neuron_parallel.train", 2, [str(job)], cwd=ROOT, on_start=kill_rank_1_mid_step, timeout=300)
     assert killed.returncode != 0, killed.tail()
     time.sleep(1.0)
-    orphans = [p for p in seen["tree"] if _alive(p)]
+    orphans = [p for p in seen["tree"] if alive(p)]
     done = [c for c in list_checkpoints(run) if is_complete(c)]
     newest = int(done[-1].name.split("-")[1])
     lost = _step(run) - newest

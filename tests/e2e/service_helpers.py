@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from neuron_parallel.launch import alive  # noqa: F401 (the service tests take it from here)
+
 from ..conftest import ROOT
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -180,13 +182,6 @@ def processes() -> list[tuple[int, str]]:
             if state != "Z":
                 out.append((int(entry.name), cmd))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def environ(pid: int) -> dict[str, str]:

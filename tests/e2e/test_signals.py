@@ -16,21 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from neuron_parallel.launch import process_tree
+from neuron_parallel.launch import alive, process_tree
 
 from ..conftest import ROOT
 
 BOUND_S = 15.0
 """No process of the job may outlive the signal by more: torchrun forwards SIGTERM to its ranks
 at once; the launcher's SIGKILL follows after its 10 s grace."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _ranks(tree: list[int]) -> list[int]:
@@ -80,10 +72,10 @@ def test_ending_the_command_ends_every_rank(tiny_world, tmp_path, command, signu
         t0 = time.monotonic()
         proc.send_signal(signum)
         output = proc.communicate(timeout=60)[0].decode()
-        while any(_alive(p) for p in tree) and time.monotonic() - t0 < BOUND_S:
+        while any(alive(p) for p in tree) and time.monotonic() - t0 < BOUND_S:
             time.sleep(0.1)
         seconds = time.monotonic() - t0
-        left = [p for p in tree if _alive(p)]
+        left = [p for p in tree if alive(p)]
     finally:
         for pid in process_tree(proc.pid) if proc.poll() is None else []:
             os.kill(pid, signal.SIGKILL)
