@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ..conftest import ROOT, read_metrics
 
 
@@ -31,6 +33,7 @@ def _newest_artifacts() -> dict:
     return asyncio.run(read())
 
 
+@pytest.mark.slow
 def test_tiny_chat_config_runs_the_flow_with_eval(prefect_server, tiny_world, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
