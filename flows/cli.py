@@ -146,15 +146,8 @@ def cmd_validate(args) -> int:
 def cmd_consolidate(args) -> int:
     from neuron_parallel.checkpoint import consolidate_checkpoint
 
-    out = consolidate_checkpoint(
-        args.checkpoint,
-        args.output,
-        fmt=args.format,
-        max_shard_size=args.max_shard_size,
-        model_dir=args.model_dir,
-        merge=args.merge,
-        base_dir=args.base_dir,
-    )
+    options = {k: getattr(args, k) for k in ("max_shard_size", "model_dir", "merge", "base_dir")}
+    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, **options)
     print(f"consolidated: {out}")
     return 0
 
@@ -209,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--quick", action="store_true", help="sizes only, no checksums or tensor reads")
     p.set_defaults(fn=cmd_validate)
+    _add_consolidate(sub)
+    _add_service(sub)
+    _add_plan(sub)
+    return parser
+
+
+def _add_consolidate(sub) -> None:
     p = sub.add_parser(
         "consolidate",
         help="write a Hugging Face model directory from a checkpoint (ours, or optimum-neuron / neuronx-distributed)",
@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --merge: the base model the adapters were trained on (default: the one the manifest records)",
     )
     p.set_defaults(fn=cmd_consolidate)
+
+
+def _add_service(sub) -> None:
+    """make-tiny, serve and join: the commands that set up a machine or a service."""
     p = sub.add_parser(
         "make-tiny", help="build tiny Llama and Qwen2 models, a tokenizer, a corpus and a wikitext-like folder, offline"
     )
@@ -256,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-file", help="default $NEURON_FLOWS_LAUNCH_FILE")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds to wait for the launch")
     p.set_defaults(fn=cmd_join)
+
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="rank parallel layouts of a model on some hardware (memory per rank, tokens/s)")
     p.add_argument(
         "--model",
@@ -288,7 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts shown in the table")
     p.add_argument("--json", action="store_true", help="every candidate as JSON: feasible, candidates (best first)")
     p.set_defaults(fn=cmd_plan)
-    return parser
 
 
 _signalled: list[int] = []

@@ -49,6 +49,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 _BY_NAME = {dtype_name(d): d for d, _ in DTYPES}
 _BY_CODE = {code: d for d, code in DTYPES}
 _CODES = {d: code for d, code in DTYPES}
+Ints = list[int] | None
+"""An optional list of sizes or offsets, one per dimension."""
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -258,14 +260,7 @@ class CheckpointTensors:
             self._checked.add((piece.file, piece.key))
         return f
 
-    def read(
-        self,
-        name: str,
-        offsets: list[int] | None = None,
-        shape: list[int] | None = None,
-        *,
-        global_shape: list[int] | None = None,
-    ) -> torch.Tensor:
+    def read(self, name: str, offsets: Ints = None, shape: Ints = None, *, global_shape: Ints = None) -> torch.Tensor:
         """The slice ``[offsets, offsets + shape)`` of global tensor ``name`` (all of it by default).
         ``global_shape``: the shape the caller's tensor has; a checkpoint that records another
         is refused rather than read in part."""
@@ -383,14 +378,7 @@ class HFWeights:
         start, stop = f.info(name)["data_offsets"]
         return f.path, f.data_start + start, stop - start
 
-    def read(
-        self,
-        name: str,
-        offsets: list[int] | None = None,
-        shape: list[int] | None = None,
-        *,
-        global_shape: list[int] | None = None,
-    ) -> torch.Tensor:
+    def read(self, name: str, offsets: Ints = None, shape: Ints = None, *, global_shape: Ints = None) -> torch.Tensor:
         """The slice ``[offsets, offsets + shape)`` of tensor ``name`` (all of it by default).
         ``global_shape``: the shape of the parameter it is loaded into; a file that stores
         another shape is refused."""
