@@ -8,7 +8,8 @@
 2. Measures, each in its own subprocess with the page cache dropped before it (``sync; echo 3 >
    /proc/sys/vm/drop_caches``; if that is refused, each run follows a warm-up read instead):
      a. ``cp -r`` of the shard files (and, separately, the ``sync`` that makes them durable);
-     b. ``consolidate_checkpoint(ckpt, out)`` (ours; it fsyncs its output);
+     b. ``consolidate_checkpoint(ckpt, out)`` (ours: one pass over each piece file that hashes it
+        and copies its pieces into place; it fsyncs its output);
      c. DCP's ``format_utils.dcp_to_torch_save`` on the DCP checkpoint;
      d. an all-in-RAM merge as optimum-neuron's consolidation does it: ``load_file`` every tp
         shard of a stage, ``torch.cat`` the pieces, keep the merged state, ``save_file`` it.
@@ -16,7 +17,9 @@
    the parent is a running maximum over all children, so it cannot separate runs), cross-checked
    by polling ``/proc/<pid>/status`` (VmHWM, and the RssAnon / RssFile split) every few ms.
 3. Verifies every output (tensor names, total bytes, spot-checked tensors equal the pieces) and
-   prints a table against the goals; writes bench/results/consolidate.json.
+   prints a table against the goals, with the CPU seconds of ours and of ``cp`` (time on a shared
+   machine stretches with other people's load; CPU seconds much less); writes
+   bench/results/consolidate.json.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HE
 import argparse
 import json
 import platform
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -132,12 +136,15 @@ class Runner:
     def cp(self, src: Path, dst: Path) -> dict:
         cache = self.prepare([src])
         load = os.getloadavg()[0]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
         t_cp = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(["sync"], check=True)
         t_sync = time.perf_counter() - t0
-        return {"seconds": t_cp, "seconds_with_sync": t_sync, "cache": cache, "loadavg_1min_before": load}
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return {"seconds": t_cp, "seconds_with_sync": t_sync, "cpu_s": cpu, "cache": cache, "loadavg_1min_before": load}
 
 
 def du(path: Path) -> int:
@@ -156,7 +163,10 @@ def parse_args() -> argparse.Namespace:
         "--warm", action="store_true", help="do not drop the page cache; warm-read the inputs before each run"
     )
     ap.add_argument(
-        "--profile", action="store_true", help="add a profiled run of ours (cProfile, per-tensor RSS); not in the table"
+        "--profile",
+        action="store_true",
+        help="add a profiled run of ours (per-phase times, per-call wall and CPU time over its threads, RSS at the "
+        "writes); not in the table",
     )
     ap.add_argument("--skip-dcp", action="store_true")
     ap.add_argument("--skip-allram", action="store_true")
@@ -202,29 +212,25 @@ def measure(
 
 
 def profile_ours(runner: Runner, ckpt: Path, shards: Path, runs: dict) -> None:
-    """A profiled run of ours (cProfile, per-phase times, per-tensor RSS); not in the table."""
+    """A profiled run of ours (per-phase wall times, per-call times summed over the copying
+    threads, RSS at the writes); not in the table."""
     out = runner.workdir / "out_ours"
     runs["ours_profiled"] = runner.child("ours", {"ckpt": str(ckpt), "out": str(out), "profile": True}, inputs=[shards])
     shutil.rmtree(out)
     print(runs["ours_profiled"]["cprofile_tottime_top"])
     ph = runs["ours_profiled"]["phases"]
     print(
-        "[bench] profiled phases (s): "
-        + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ph.items() if k.endswith("_s"))
-        + " (cProfile inflates the Python-heavy validation; read/write/fsync/tobytes are C calls)"
+        "[bench] profiled phases, wall (s): "
+        + ", ".join(f"{k[:-2]} {ph[k]:.2f}" for k in ("validate_s", "pass_wall_s", "fsync_s", "other_s"))
     )
-    for t in ph["per_tensor"]:
-        if t["mib"] >= 64:
-            print(
-                f"[bench]   {t['name']}: {t['mib']:.0f} MiB, after read anon/file "
-                f"{t['after_read']['rss_anon_mib']:.0f}/{t['after_read']['rss_file_mib']:.0f} MiB, at write "
-                f"{t.get('at_write', {}).get('rss_anon_mib', 0):.0f}/"
-                f"{t.get('at_write', {}).get('rss_file_mib', 0):.0f} MiB"
-            )
-    last = ph["per_tensor"][-1]
     print(
-        f"[bench]   after the last tensor: anon {last['after_read']['rss_anon_mib']:.0f} MiB, "
-        f"file-backed {last['after_read']['rss_file_mib']:.0f} MiB"
+        "[bench] inside the pass, summed over its threads, wall / on-CPU (s): "
+        + ", ".join(f"{k[:-2]} {v:.2f}/{ph['threads_cpu'][k]:.2f}" for k, v in ph["threads"].items() if k != "fsync_s")
+        + f"; process CPU {ph['process_cpu_s']:.2f}"
+    )
+    rss = ph["max_rss_at_writes"]
+    print(
+        f"[bench] largest RSS seen at a write: anon {rss['rss_anon_mib']:.0f} MiB, file {rss['rss_file_mib']:.0f} MiB"
     )
     _say("ours (profiled, not in table)", runs["ours_profiled"])
 
@@ -243,7 +249,7 @@ def measure_all(runner: Runner, args: argparse.Namespace, ckpt: Path, dcp_dir: P
     shutil.rmtree(dst)
     print(
         f"[bench] cp -r: {runs['cp']['seconds']:.2f}s "
-        f"(+sync {runs['cp']['seconds_with_sync']:.2f}s) [{runs['cp']['cache']}]",
+        f"(+sync {runs['cp']['seconds_with_sync']:.2f}s), {runs['cp']['cpu_s']:.2f} CPU-s [{runs['cp']['cache']}]",
         flush=True,
     )
 
@@ -300,7 +306,9 @@ def _verify(runner: Runner, ckpt: Path, path: Path) -> dict:
 
 def _say(label: str, r: dict) -> None:
     print(
-        f"[bench] {label}: {r['seconds']:.2f}s in-process ({r['process_wall_s']:.2f}s with start-up), "
+        f"[bench] {label}: {r['seconds']:.2f}s in-process ({r['process_wall_s']:.2f}s with start-up"
+        + (f", {r['cpu_s']:.2f} CPU-s" if "cpu_s" in r else "")
+        + "), "
         f"peak RSS {r['peak_rss_mib']:.0f} MiB (anon max {r['polled_max_rss_anon_mib']:.0f}, "
         f"file-backed max {r['polled_max_rss_file_mib']:.0f}) [{r['cache']}]"
         + (f", verify {'ok' if r['verify']['ok'] else 'FAILED'}" if "verify" in r else ""),
@@ -409,10 +417,15 @@ def print_table(facts: dict, runs: dict, g: dict) -> None:
             )
     i = g["info_streaming_only"]
     print(
-        f"       (info) ours = {i['validate_s']:.2f}s up-front validation + {i['streaming_s']:.2f}s streaming; "
-        "streaming alone "
+        f"       (info) ours = {i['validate_s']:.2f}s up-front checks + {i['streaming_s']:.2f}s copying; "
+        "copying alone "
         f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync"
     )
+    if "cpu_s" in runs["ours"]:
+        print(
+            f"       (info) CPU seconds (user + system), less inflated by other load than wall time: ours "
+            f"{runs['ours']['cpu_s']:.2f} (sha256 of every byte read included), cp -r {runs['cp']['cpu_s']:.2f}"
+        )
     print(
         f"[{mark(g['outputs_verified'])}] every output verified "
         "(names, byte total, spot-checked tensors equal the pieces)"

@@ -50,87 +50,93 @@ def run_ours(ckpt: Path, out: Path, profile: bool) -> dict:
     from neuron_parallel.checkpoint import consolidate as cmod
     from neuron_parallel.checkpoint import consolidate_checkpoint
 
-    # Time the up-front validation apart from the streaming (a wrapper call; nothing else changes).
+    # Time the up-front checks apart from the copying (wrapper calls; nothing else changes): the
+    # quick validation, the headers, and the sha256 of the config files.
     timing = {"validate_s": 0.0}
-    real_validate = cmod.validate_checkpoint
+    real_open_source = cmod.open_source
 
-    def validate(*a, **k):
+    def open_source(*a, **k):
         t0 = time.perf_counter()
         try:
-            return real_validate(*a, **k)
+            return real_open_source(*a, **k)
         finally:
             timing["validate_s"] += time.perf_counter() - t0
 
-    cmod.validate_checkpoint = validate
-    extra: dict = {}
-    if profile:
-        extra = _instrument_ours()
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.enable()
+    cmod.open_source = open_source
+    if not profile:
+        t0, c0 = time.perf_counter(), time.process_time()
         consolidate_checkpoint(ckpt, out)
-        prof.disable()
-        t = time.perf_counter() - t0
-        import io
+        return {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, **timing}
+    import cProfile
+    import io
+    import pstats
 
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
-        extra["cprofile_tottime_top"] = buf.getvalue()
-        extra.update(timing)
-        ph = extra["phases"] = extra.pop("_phases")
-        ph["tobytes_s"] = sum(v[2] for k, v in pstats.Stats(prof).stats.items() if "tobytes" in k[2])
-        ph["validate_s"] = timing["validate_s"]
-        ph["other_s"] = t - sum(ph[k] for k in ("read_s", "write_s", "fsync_s", "tobytes_s", "validate_s"))
-        return {"seconds": t, **extra}
-    t0 = time.perf_counter()
+    phases = _instrument_ours()
+    prof = cProfile.Profile()
+    t0, c0 = time.perf_counter(), time.process_time()
+    prof.enable()
     consolidate_checkpoint(ckpt, out)
-    return {"seconds": time.perf_counter() - t0, **timing}
+    prof.disable()
+    t = time.perf_counter() - t0
+    phases["process_cpu_s"] = time.process_time() - c0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    phases["validate_s"] = timing["validate_s"]
+    phases["fsync_s"] = phases["threads"]["fsync_s"]
+    phases["other_s"] = t - phases["validate_s"] - phases["pass_wall_s"] - phases["fsync_s"]
+    return {"seconds": t, "cprofile_tottime_top": buf.getvalue(), "phases": phases, **timing}
+
+
+class _Clock:
+    """Seconds spent in each kind of call, summed over threads: wall, and on-CPU (the calling
+    thread's CPU time, which other people's load on a shared machine inflates far less); and the
+    largest RSS seen."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        keys = ("read", "hash", "write_rows", "write_box", "fsync")
+        self.s = {f"{k}_s": 0.0 for k in keys}
+        self.cpu = {f"{k}_s": 0.0 for k in keys}
+        self.max_rss = {"rss_anon_mib": 0.0, "rss_file_mib": 0.0}
+
+    def timed(self, key: str, fn, sample: bool = False):
+        def call(*a, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+                with self.lock:
+                    self.s[key] += dt
+                    self.cpu[key] += dc
+                    if sample:
+                        st = proc_status(os.getpid())
+                        for name, field in (("rss_anon_mib", "RssAnon"), ("rss_file_mib", "RssFile")):
+                            self.max_rss[name] = max(self.max_rss[name], st.get(field, 0) / 1024)
+
+        return call
 
 
 def _instrument_ours() -> dict:
-    """Wrap (in this child only) the library's read / write / fsync steps to time them and sample
-    RSS, so a missed goal can be traced to a phase. The library files are not changed."""
+    """Wrap (in this child only) the one-pass writer's reads, hashing, writes and fsyncs to time
+    them, summed over its threads, and sample RSS at every write; cProfile sees the main thread
+    only, which waits while the threads work. The library files are not changed."""
     import builtins
+    import hashlib
     import types
 
     from neuron_parallel.checkpoint import consolidate as cmod
-    from neuron_parallel.checkpoint import tensors as tmod
+    from neuron_parallel.checkpoint import scatter as smod
 
-    phases = {"read_s": 0.0, "write_s": 0.0, "fsync_s": 0.0, "per_tensor": []}
-    orig_read = tmod.CheckpointTensors.read
+    clock = _Clock()
+    phases: dict = {"pass_wall_s": 0.0}
 
-    def _rss() -> dict:
-        st = proc_status(os.getpid())
-        return {"rss_anon_mib": st.get("RssAnon", 0) / 1024, "rss_file_mib": st.get("RssFile", 0) / 1024}
-
-    def read(self, name, offsets=None, shape=None):
-        t0 = time.perf_counter()
-        out = orig_read(self, name, offsets, shape)
-        dt = time.perf_counter() - t0
-        phases["read_s"] += dt
-        phases["per_tensor"].append(
-            {"name": name, "mib": out.numel() * out.element_size() / MiB, "read_s": dt, "after_read": _rss()}
-        )
-        return out
-
-    tmod.CheckpointTensors.read = read
-
-    class _Timed:
-        """The output file, with write() timed and RSS sampled as the bytes arrive."""
-
+    class _File:
         def __init__(self, f):
             self._f = f
-
-        def write(self, b):
-            if len(b) > 4096 and phases["per_tensor"]:
-                phases["per_tensor"][-1]["at_write"] = _rss()
-            t0 = time.perf_counter()
-            n = self._f.write(b)
-            phases["write_s"] += time.perf_counter() - t0
-            return n
+            self.readinto = clock.timed("read_s", f.readinto)
 
         def __getattr__(self, k):
             return getattr(self._f, k)
@@ -141,22 +147,37 @@ def _instrument_ours() -> dict:
         def __exit__(self, *a):
             return self._f.__exit__(*a)
 
-    def timed_open(path, mode="r", *a, **k):
-        f = builtins.open(path, mode, *a, **k)
-        return _Timed(f) if "w" in mode and str(path).endswith(".safetensors.tmp") else f
+    class _Hash:
+        def __init__(self):
+            self._h = hashlib.sha256()
+            self.update = clock.timed("hash_s", self._h.update)
 
-    cmod.open = timed_open  # a module global shadows the builtin inside consolidate.py
+        def hexdigest(self):
+            return self._h.hexdigest()
 
-    def fsync(fd):
+    smod.open = lambda *a, **k: _File(builtins.open(*a, **k))  # a module global shadows the builtin
+    smod.hashlib = types.SimpleNamespace(sha256=_Hash)
+    smod._write_behind = clock.timed("write_rows_s", smod._write_behind, sample=True)
+    real_box = smod._box_writer
+    smod._box_writer = lambda *a: clock.timed("write_box_s", real_box(*a), sample=True)
+    real_scatter = smod.scatter_pieces
+
+    def scatter_pieces(*a, **k):
         t0 = time.perf_counter()
-        os.fsync(fd)
-        phases["fsync_s"] += time.perf_counter() - t0
+        try:
+            return real_scatter(*a, **k)
+        finally:
+            phases["pass_wall_s"] += time.perf_counter() - t0
 
+    cmod.scatter_pieces = scatter_pieces
     proxy = types.ModuleType("os")
     proxy.__dict__.update(os.__dict__)
-    proxy.fsync = fsync
+    proxy.fsync = clock.timed("fsync_s", os.fsync)
     cmod.os = proxy
-    return {"_phases": phases}
+    phases["threads"] = clock.s  # filled in as the run goes
+    phases["threads_cpu"] = clock.cpu
+    phases["max_rss_at_writes"] = clock.max_rss
+    return phases
 
 
 def run_dcp(dcp_dir: Path, out: Path) -> dict:

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .mesh import local_device
+
 PHASE_PREFIX = "phase:"
 """``record_function`` ranges named ``phase:<name>`` label where a peak fell."""
 
@@ -121,6 +123,7 @@ class RankMemoryProbe:
     ``{"peak": bytes, "phase": where the peak fell}``."""
 
     def __init__(self, device: str, exclude: tuple[str, ...] = ()) -> None:
+        self.device = device
         self.cpu = TensorMemoryProfile() if device == "cpu" else None
         self.exclude = exclude
         self.measured: dict = {}
@@ -129,7 +132,9 @@ class RankMemoryProbe:
         if self.cpu:
             self.cpu.__enter__()
         else:
-            torch.accelerator.reset_peak_memory_stats()
+            # This rank's own device: before the engine selects it, the current device is index 0
+            # on every rank, and touching it would open a context on the first device per rank.
+            torch.accelerator.reset_peak_memory_stats(local_device(self.device).index)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -137,7 +142,8 @@ class RankMemoryProbe:
             self.cpu.__exit__(*exc)
             self.measured = self.cpu.peak(exclude=self.exclude)
         else:
-            self.measured = {"peak": torch.accelerator.max_memory_allocated(), "phase": "all (device allocator)"}
+            peak = torch.accelerator.max_memory_allocated(local_device(self.device).index)
+            self.measured = {"peak": peak, "phase": "all (device allocator)"}
 
     def phase(self, name: str):
         """A context labelling what runs inside it as phase ``name`` (CPU only)."""

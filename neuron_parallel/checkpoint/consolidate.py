@@ -1,10 +1,12 @@
 """Streaming consolidation: any sharded layout → one Hugging Face model directory.
 
-Tensors are assembled one at a time from memory-mapped pieces and appended to the output file,
-so peak memory stays near the largest tensor rather than the model. The safetensors package
-only writes whole dicts held in memory, which is exactly what streaming must avoid; the file
-format is a length-prefixed JSON header followed by raw little-endian bytes, so it is written
-here directly, with the header computed up front from the source's plan.
+Our own checkpoints are written in one pass over each piece file (``scatter.py``): read once,
+hashed as read, each piece's bytes sent straight to its place in the output, with memory at a
+few read buffers. Other sources are streamed tensor by tensor, in row blocks, so peak memory
+stays near the largest tensor rather than the model. The safetensors package only writes whole
+dicts held in memory, which is exactly what streaming must avoid; the file format is a
+length-prefixed JSON header followed by raw little-endian bytes, so it is written here
+directly, with the header computed up front from the source's plan.
 
 Two sources feed the one writer through :class:`TensorSource`: our own checkpoints (manifest and
 safetensors pieces) and optimum-neuron / neuronx-distributed checkpoints (``neuronx.py``).
@@ -26,9 +28,10 @@ from ..utils import atomic_write, fsync_path
 from .format import HF_FILES, MANIFEST, Manifest, confined, resolve_checkpoint
 from .neuronx import NeuronxCheckpoint
 from .neuronx_layout import find_neuronx_checkpoint
-from .output import claim_output_dir
+from .output import staged_output_dir
+from .scatter import Target, scatter_pieces
 from .tensors import CheckpointTensors, dtype_from_name, safetensors_dtype
-from .validate import validate_checkpoint, verify_checksums
+from .validate import check_digest, validate_checkpoint, verify_checksums
 
 BLOCK_BYTES = 32 << 20  # rows copied per write: memory stays near this, not the largest tensor
 _VOCAB_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -122,6 +125,26 @@ class ManifestSource:
         what = f"{self.root / MANIFEST}: model file"
         return [p for n in HF_FILES if (p := confined(self.root, n, what)).is_file()]
 
+    def read_files(self) -> list[str]:
+        """The manifest's files that exporting reads: those holding pieces of the exported
+        tensors, and the config and tokenizer files copied from the checkpoint."""
+        pieces = {p.file for name in self._shapes for p in self.tensors.pieces(name)}
+        copied = {p.name for p in self.hf_files()} if self._files_dir == self.root else set()
+        return sorted(pieces | (copied & set(self.tensors.manifest.files)))
+
+    def verify(self) -> None:
+        """Refuse the checkpoint unless every file exporting reads has its recorded sha256 (for
+        writers that read tensor by tensor; :meth:`scatter` hashes as it copies)."""
+        verify_checksums(self.root, self.tensors.manifest, self.read_files())
+
+    def scatter(self, targets: dict[str, Target]) -> None:
+        """Write every planned tensor to its target in one pass over each piece file (see
+        ``scatter.py``), then refuse the checkpoint if a file read does not have its recorded
+        sha256: the caller keeps the targets out of place until this returns."""
+        digests = scatter_pieces(self.tensors, targets)
+        for rel, digest in sorted(digests.items()):
+            check_digest(self.root, self.tensors.file_path(rel), digest, self.tensors.manifest.files[rel]["sha256"])
+
 
 def _read_checked(source: TensorSource, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     t = source.read(name)
@@ -168,45 +191,117 @@ def _copy_ranges(ranges: list[tuple[Path, int, int]], dst_fd: int) -> bool:
     return True
 
 
-def write_safetensors(path: Path, items, source: TensorSource) -> int:
-    """Write the tensors ``items`` (``(name, shape, dtype)``, a slice of ``source``'s plan) to one
-    safetensors file, streamed from ``source``; atomically (a fsynced ``.tmp`` renamed, then the
-    folder fsynced). Returns the data bytes."""
-    header, offset = {}, 0
+def _layout(items) -> tuple[bytes, dict[str, int], int]:
+    """The safetensors header of ``items`` (``(name, shape, dtype)``), length prefix included;
+    each tensor's offset in the data that follows it; the data's size."""
+    header, offsets, offset = {}, {}, 0
     for name, shape, dtype in items:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": safetensors_dtype(dtype), "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offsets[name] = offset
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets, offset
+
+
+def _stream(f, items, source: TensorSource) -> None:
+    """Append the tensors ``items`` to ``f`` (unbuffered, so in-kernel copies and writes share
+    one file position) in order, from file ranges in the kernel where the source has them."""
+    for name, shape, dtype in items:
+        ranges = getattr(source, "byte_ranges", lambda _: None)(name)
+        if ranges is not None and _copy_ranges(ranges, f.fileno()):
+            continue
+        for t in _blocks(source, name, shape, dtype):
+            # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
+            # handed to write() as a buffer rather than copied into a bytes object first.
+            view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            while view:
+                view = view[f.write(view) :]
+            del t
+
+
+def write_safetensors(path: Path, items, source: TensorSource) -> int:
+    """Write the tensors ``items`` (``(name, shape, dtype)``, a slice of ``source``'s plan) to one
+    safetensors file, streamed from ``source``; atomically (a fsynced ``.tmp`` renamed, then the
+    folder fsynced). Returns the data bytes."""
+    head, _, nbytes = _layout(items)
     tmp = path.with_name(path.name + ".tmp")
-    # Unbuffered, so in-kernel copies and writes share one file position.
     with open(tmp, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, shape, dtype in items:
-            ranges = getattr(source, "byte_ranges", lambda _: None)(name)
-            if ranges is not None and _copy_ranges(ranges, f.fileno()):
-                continue
-            for t in _blocks(source, name, shape, dtype):
-                # The bytes of a contiguous CPU tensor, as safetensors stores them (little-endian),
-                # handed to write() as a buffer rather than copied into a bytes object first.
-                view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                while view:
-                    view = view[f.write(view) :]
-                del t
+        f.write(head)
+        _stream(f, items, source)
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
-    return offset
+    return nbytes
+
+
+def _write_weights(source: TensorSource, tmps: list[Path], groups: list[list]) -> None:
+    """Each group of tensors to its ``.tmp`` file, fsynced. A source that can scatter (ours) fills
+    all files in one pass over its piece files; any other streams them tensor by tensor. On
+    failure the ``.tmp`` files are removed."""
+    layouts = [_layout(group) for group in groups]
+    fds: list[int] = []
+    try:
+        for tmp, (head, _, _) in zip(tmps, layouts):
+            fds.append(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.write(fds[-1], head)  # < 100 MB, one write
+        if hasattr(source, "scatter"):
+            targets = {}
+            for fd, group, (head, offsets, nbytes) in zip(fds, groups, layouts):
+                os.ftruncate(fd, len(head) + nbytes)  # the whole file exists before it is filled
+                for name, shape, dtype in group:
+                    targets[name] = Target(fd, len(head) + offsets[name], tuple(shape), dtype.itemsize)
+            source.scatter(targets)
+        else:
+            for fd, group in zip(fds, groups):
+                with open(fd, "wb", buffering=0, closefd=False) as f:
+                    _stream(f, group, source)
+        for fd in fds:
+            os.fsync(fd)
+    except BaseException:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _write_state_dict(source: TensorSource, plan, tmp: Path) -> None:
+    """The whole model as one ``torch.save`` file at ``tmp``, fsynced (removed on failure); a
+    source that can verify its files does so first, since it is read tensor by tensor."""
+    try:
+        getattr(source, "verify", lambda: None)()
+        state = {name: _read_checked(source, name, shape, dtype) for name, shape, dtype in plan}
+        torch.save(state, tmp)
+        fsync_path(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _shard(plan, limit: int) -> list[list]:
+    """The plan in consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+    groups, cur, size = [], [], 0
+    for item in plan:
+        nbytes = math.prod(item[1]) * item[2].itemsize
+        if cur and size + nbytes > limit:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += nbytes
+    groups.append(cur)
+    return groups
 
 
 def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> TensorSource:
     """The checkpoint at ``path`` as a :class:`TensorSource`, after quick validation: ours (a run
     dir, checkpoint dir or its ``shards/``) or an optimum-neuron / neuronx-distributed one (its
     checkpoint dir or ``shards/``; see ``neuronx.py``). Refuses an incomplete or damaged one, and
-    one of ours whose files do not have the sha256 its manifest records."""
+    one of ours whose config or tokenizer files do not have the sha256 its manifest records (its
+    piece files are hashed as the export reads them: :meth:`ManifestSource.scatter`)."""
     shards = find_neuronx_checkpoint(path)
     if shards is not None:
         return NeuronxCheckpoint(shards, model_dir=model_dir)
@@ -217,8 +312,9 @@ def open_source(path: str | Path, *, model_dir: str | Path | None = None) -> Ten
     if problems:
         raise ValueError(f"refusing to consolidate {ckpt}: " + "; ".join(problems))
     source = ManifestSource(ckpt, model_dir)
-    verify_checksums(ckpt, source.tensors.manifest)
     source.tensors.check_pieces()
+    # The config and tokenizer files now; the piece files are hashed as the export reads them.
+    verify_checksums(ckpt, source.tensors.manifest, [f for f in source.read_files() if f in {*HF_FILES}])
     return source
 
 
@@ -226,46 +322,38 @@ def write_hf_dir(
     source: TensorSource, output_dir: str | Path, *, fmt: str = "safetensors", max_shard_size: str | int = "5GB"
 ) -> Path:
     """Stream ``source`` into a Hugging Face model directory (one tensor in memory at a time for
-    safetensors; ``pytorch`` builds one state dict, as ``torch.save`` needs)."""
+    safetensors; ``pytorch`` builds one state dict, as ``torch.save`` needs). The weights are
+    written under temporary names and put in place, replacing an earlier export's, only once
+    all are written and their sources checked; if anything fails, a directory this call
+    created is removed again."""
     if fmt not in ("safetensors", "pytorch"):
         raise ValueError(f"format {fmt!r} is not one of ('safetensors', 'pytorch')")
     limit = parse_size(max_shard_size)
     plan = source.plan()
-    out = claim_output_dir(output_dir)  # never a directory of someone else's files
-    for stale in (
-        list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")) + list(out.glob("pytorch_model*.bin"))
-    ):
-        stale.unlink()
-
-    if fmt == "pytorch":
-        state = {name: _read_checked(source, name, shape, dtype) for name, shape, dtype in plan}
-        tmp = out / "pytorch_model.bin.tmp"
-        torch.save(state, tmp)
-        fsync_path(tmp)
-        os.replace(tmp, out / "pytorch_model.bin")
-    else:
-        groups, cur, size = [], [], 0
-        for item in plan:
-            nbytes = math.prod(item[1]) * torch.empty((), dtype=item[2]).element_size()
-            if cur and size + nbytes > limit:
-                groups.append(cur)
-                cur, size = [], 0
-            cur.append(item)
-            size += nbytes
-        groups.append(cur)
-        if len(groups) == 1:
-            write_safetensors(out / "model.safetensors", groups[0], source)
+    with staged_output_dir(output_dir) as out:  # never a directory of someone else's files
+        if fmt == "pytorch":
+            names = ["pytorch_model.bin"]
+            _write_state_dict(source, plan, out / "pytorch_model.bin.tmp")
         else:
-            weight_map, total = {}, 0
-            for i, group in enumerate(groups, 1):
-                fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-                total += write_safetensors(out / fname, group, source)
-                weight_map.update({name: fname for name, _, _ in group})
+            groups = _shard(plan, limit)
+            n = len(groups)
+            names = (
+                ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+            )
+            _write_weights(source, [out / f"{name}.tmp" for name in names], groups)
+        stale = ("model*.safetensors", "*.index.json", "pytorch_model*.bin")
+        for old in [p for pattern in stale for p in out.glob(pattern)]:
+            old.unlink()
+        for name in names:
+            os.replace(out / f"{name}.tmp", out / name)
+        if len(names) > 1:
+            weight_map = {item[0]: name for name, group in zip(names, groups) for item in group}
+            total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             atomic_write(out / "model.safetensors.index.json", json.dumps(index, indent=2))
-    for src in source.hf_files():
-        atomic_write(out / src.name, src.read_bytes())
-    fsync_path(out)  # the stale files' removal, and every rename, made durable
+        for src in source.hf_files():
+            atomic_write(out / src.name, src.read_bytes())
+        fsync_path(out)  # the stale files' removal, and every rename, made durable
     return out
 
 

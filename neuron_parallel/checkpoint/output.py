@@ -8,7 +8,10 @@ removes a directory only when it carries that marker.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 OWNER_FILE = ".neuron-flows-output"
@@ -31,6 +34,22 @@ def claim_output_dir(path: str | Path) -> Path:
     if not marker.exists():
         marker.write_text(json.dumps({"written_by": "neuron-flows"}) + "\n")
     return out
+
+
+@contextlib.contextmanager
+def staged_output_dir(path: str | Path) -> Iterator[Path]:
+    """:func:`claim_output_dir` for one write that may fail part way (a damaged checkpoint is
+    found only as it is read): on an error, a directory this claim created is removed again,
+    with the temporary files in it, so a refused export leaves nothing behind. A directory that
+    existed keeps what it held."""
+    created = not Path(path).exists()
+    out = claim_output_dir(path)
+    try:
+        yield out
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def is_ours(path: str | Path) -> bool:

@@ -315,6 +315,16 @@ class CheckpointTensors:
     def pieces(self, name: str) -> list[Piece]:
         return self.manifest.tensors[name].pieces
 
+    def piece_start(self, name: str, piece: Piece) -> int:
+        """Offset in its file of the first byte of ``piece`` of ``name`` (the file's header seen to
+        store it as the manifest says)."""
+        f = self._piece_file(name, piece)
+        return f.data_start + f.info(piece.key)["data_offsets"][0]
+
+    def file_path(self, rel: str) -> Path:
+        """Where the manifest's file ``rel`` is (a name that leads out of the checkpoint is refused)."""
+        return self._files.get(rel).path
+
 
 def _hub_blobs(model_dir: Path) -> tuple[Path, ...]:
     """Where the files of a Hugging Face hub cache snapshot (``<repo>/snapshots/<revision>/``)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -77,18 +78,24 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: b
     return problems
 
 
-def verify_checksums(ckpt: Path, manifest: Manifest) -> None:
-    """Hash every file the manifest lists and refuse, with a ``ValueError`` naming the file, the
-    recorded and the actual digest, a file whose content changed since the save wrote it."""
-    for rel, info in manifest.files.items():
+def verify_checksums(ckpt: Path, manifest: Manifest, files: Iterable[str] | None = None) -> None:
+    """Hash every file the manifest lists (or those of ``files``, names it lists) and refuse, with
+    a ``ValueError`` naming the file, the recorded and the actual digest, a file whose content
+    changed since the save wrote it."""
+    for rel in manifest.files if files is None else files:
         path = confined(ckpt, rel, f"{ckpt / MANIFEST}: files entry")
-        actual = sha256_file(path)
-        if actual != info["sha256"]:
-            raise ValueError(
-                f"{path}: sha256 {actual}, the manifest records {info['sha256']}: the file changed after the "
-                f"checkpoint was written (disk or copy damage); use an earlier checkpoint, and run "
-                f"neuron-flows validate {ckpt} to list every damaged file"
-            )
+        check_digest(ckpt, path, sha256_file(path), manifest.files[rel]["sha256"])
+
+
+def check_digest(ckpt: Path, path: Path, actual: str, recorded: str) -> None:
+    """Refuse the file ``path`` of checkpoint ``ckpt`` when its sha256 ``actual`` is not the
+    ``recorded`` one."""
+    if actual != recorded:
+        raise ValueError(
+            f"{path}: sha256 {actual}, the manifest records {recorded}: the file changed after the "
+            f"checkpoint was written (disk or copy damage); use an earlier checkpoint, and run "
+            f"neuron-flows validate {ckpt} to list every damaged file"
+        )
 
 
 def expected_shapes(model_config: dict) -> dict[str, list[int]]:
