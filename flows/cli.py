@@ -40,32 +40,125 @@ def _preflight(config, *, check_upload: bool = False):
 
 def cmd_run(args) -> int:
     config = _config(args)
-    _preflight(config, check_upload=True)
-    # The embedded server migrates its SQLite database on first start; on a busy 2-core machine
-    # that can take longer than Prefect's default 20 s wait.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    # The temporary server would report usage to Prefect over the network (and log an error
-    # where there is none).
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from neuron_flows.flows.finetune import finetune
-
+    _temporary_server_settings(whole_process=args.whole_process)
+    # The command starts Prefect's temporary server at once, so that it starts while the preflight
+    # runs here; called from Python (``main(argv)``), Prefect starts it at the flow's first API call.
+    temporary = _uses_temporary_server()
+    ahead = TemporaryServer() if temporary and args.whole_process else None
     try:
-        result = finetune(config)
+        _preflight(config, check_upload=True)
+        from neuron_flows.flows.finetune import finetune
+
+        if ahead is not None:
+            ahead.wait()
+        try:
+            result = finetune(config)
+        finally:
+            _send_logs_and_events()
+            if temporary and ahead is None:
+                _stop_prefects_server()
     finally:
-        _stop_embedded_server()
+        if ahead is not None:
+            ahead.stop()
     print(f"run: {result['run_dir']}")
     print(f"consolidated: {result['consolidated']}")
     return 0
 
 
-def _stop_embedded_server() -> None:
-    """Stop Prefect's temporary local server now, rather than at interpreter exit, so that the
-    run's summary lines are the last thing printed. A configured PREFECT_API_URL is untouched."""
-    from prefect.logging.handlers import APILogHandler
+def _temporary_server_settings(*, whole_process: bool) -> None:
+    """Settings of Prefect's temporary server (none of them matters to a server PREFECT_API_URL
+    names), set in the environment before Prefect is first imported; a value already there is kept.
+
+    - Its SQLite database is migrated on first start; on a busy 2-core machine that can take longer
+      than Prefect's default 20 s wait.
+    - Analytics off: it would report usage to Prefect over the network (and log an error where
+      there is none).
+    - For the command itself (``whole_process``: the environment ends with the run), no
+      registration of block types at start: the server would import every installed Prefect
+      collection (prefect-kubernetes: a second or more of CPU) to register block types a run never
+      uses; a block it loads (``hub.token_secret``) was saved with its type. Memoizing the
+      registration goes off with it, since the memo imports the collections to hash them before it
+      reads the setting. ``prefect server start`` and ``neuron-flows serve`` register them as ever.
+    """
+    settings = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    if whole_process:
+        settings |= {
+            "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false",
+            "PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
+        }
+    for name, value in settings.items():
+        os.environ.setdefault(name, value)
+
+
+class TemporaryServer:
+    """Prefect's temporary local server, for a run where no PREFECT_API_URL names a server,
+    started in a thread as soon as the config has loaded, so that its process starts while this
+    one runs the preflight. The flow finds it running, as if Prefect had started it on the flow's
+    first call to the API."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from prefect.logging.configuration import ensure_logging_setup
+        from prefect.server.api.server import SubprocessASGIServer
+
+        ensure_logging_setup()  # Prefect's console log says the server is starting, and where
+        self.server = SubprocessASGIServer()  # the instance the flow's client will find
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._start, name="prefect-temporary-server", daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        try:
+            self.server.start()  # returns once the server answers its health check
+        except BaseException as e:  # raised in the caller by wait()
+            self.error = e
+
+    def wait(self) -> None:
+        """Block until the server answers; raise what its start raised."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stop the server now, rather than at interpreter exit, so that the run's summary lines
+        are the last thing printed; also while it is still starting (a refused preflight)."""
+        import time
+
+        # start() spawns the server's process at once, then waits for its health check: wait for
+        # the spawn, so that no process starts after this stop.
+        deadline = time.monotonic() + 10.0
+        while self.thread.is_alive() and self.server.server_process is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.server.stop()
+        self.thread.join(timeout=5.0)
+
+
+def _uses_temporary_server() -> bool:
+    """Whether the flow runs on a temporary server (no PREFECT_API_URL, temporary servers enabled)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
+
+
+def _stop_prefects_server() -> None:
+    """Stop the temporary server Prefect started for the flow, if it started one, now rather than
+    at interpreter exit."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    APILogHandler().flush()  # the run's last log lines reach the server before it stops
     SubprocessASGIServer().stop()
+
+
+def _send_logs_and_events(timeout_s: float = 30.0) -> None:
+    """Send the logs and events the run has queued to the server, and wait until they are sent,
+    before the server is stopped or this process exits (as Prefect's own test harness does). A
+    task run's states reach the server as events; logs queued at interpreter exit for a server
+    already stopped would be retried for a minute and then lost."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=timeout_s)
+    EventsWorker.drain_all(timeout=timeout_s)
 
 
 def cmd_train(args) -> int:
@@ -94,9 +187,12 @@ def cmd_train(args) -> int:
     def show(event: dict) -> None:
         kind = event.pop("event")
         if kind == "step":
+            from neuron_parallel.reporting import format_duration
+
+            eta = f" eta {format_duration(event['eta_s'])}" if "eta_s" in event else ""
             print(
                 f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
-                f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s",
+                f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s{eta}",
                 flush=True,
             )
         else:
@@ -305,27 +401,46 @@ def _stop_on(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
+EXIT_AT_ONCE = ("run", "train")
+"""Commands that, run as the ``neuron-flows`` command, end the process as soon as they return."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Called without ``argv`` (the ``neuron-flows`` command itself), ``run``
+    starts Prefect's temporary server at once (``TemporaryServer``), and ``run`` and ``train`` end
+    the process with their exit code as soon as they return (``os._exit``): what they made is on
+    disk and their logs and events are on the server (``_send_logs_and_events``), and interpreter
+    shutdown would only tear down torch, transformers and Prefect module by module, which takes
+    seconds. Called with ``argv`` (from Python), every command returns its code and leaves the
+    process's logging and its exit as they were."""
     args = build_parser().parse_args(argv)
+    args.whole_process = argv is None
     # SIGTERM and SIGHUP (a `timeout`, a closed terminal, a scheduler) unwind like Ctrl-C, so the
     # launcher's cleanup ends torchrun and every rank before this process exits; their default
     # action would end this process alone and leave the ranks training.
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT even where inherited ignored
         signal.signal(signum, _stop_on)
     try:
-        return args.fn(args)
+        code = args.fn(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         signum = _signalled[0] if _signalled else signal.SIGINT
         print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
         # Exit now: the ranks are gone (the launcher's cleanup ran while the interrupt unwound),
         # and Prefect's background threads, still trying to reach the server this run stopped,
         # would otherwise hold the interpreter open.
-        os._exit(128 + signum)
+        _exit_now(128 + signum)
+    if args.whole_process and args.command in EXIT_AT_ONCE:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
