@@ -6,6 +6,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.transactions import transaction
 
+from neuron_flows.flows.notify import failed_state
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_flows.tasks.consolidate import consolidate
 from neuron_flows.tasks.plan import plan
@@ -26,6 +27,14 @@ def finetune(config: FinetuneConfig = FinetuneConfig()) -> dict:  # noqa: B008 (
     and upload form one transaction: if the upload fails, the consolidated directory is removed
     again, so a retry never publishes a stale or half-written model."""
     config = config.for_run(flow_run.get_name() or "local", flow_run.get_id() or "local")
+    try:
+        return _pipeline(config)
+    except Exception as exc:  # the run ends Failed with its step, progress and checkpoint in its message
+        return failed_state(config.output.dir, exc)
+
+
+def _pipeline(config: FinetuneConfig) -> dict:
+    """The steps of :func:`finetune`, for the run's config (output paths filled in)."""
     preflight(config)
     dataset = tokenize(config)
     layout = plan(config, dataset)

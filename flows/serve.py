@@ -8,6 +8,12 @@ has no authentication), and has telemetry off. Everything started here runs in i
 group and is stopped by Ctrl-C or SIGTERM, children first. ``--register-only`` registers pools
 and deployments on the server at ``PREFECT_API_URL`` and exits.
 
+Registration is Prefect's: the pools of the file's ``work_pools`` key are created (``prefect
+deploy`` creates none without asking), then ``prefect deploy --all --prefect-file
+deployments/prefect.yaml`` runs from the repository root. With ``NEURON_FLOWS_NOTIFY_WEBHOOK``
+set, a Prefect automation posts to that webhook when a run of these deployments fails or crashes
+(flows/notify.py); without it, an automation an earlier registration made is removed.
+
 What serve does when a part of the service dies (at most ``MAX_RESTARTS`` times per part within
 ``RESTART_WINDOW_S``, then it stops everything and exits 1):
 
@@ -30,6 +36,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import deque
@@ -37,9 +44,10 @@ from pathlib import Path
 
 import yaml
 
+from neuron_flows.flows.notify import WEBHOOK_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ROOT / "deployments" / "prefect.yaml"
-_ENV_REF = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 POOL = "local"
 """The work pool the worker started here serves."""
 MAX_RESTARTS = 3
@@ -51,39 +59,19 @@ RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"
 _SWEEP_EVERY_S = 2.0
 
 
-def _fill_env(value):
-    """``{{ $NAME }}`` → the environment variable NAME, recursively (as ``prefect deploy`` does);
-    ``NEURON_FLOWS_ROOT`` defaults to this repository's root."""
-    if isinstance(value, str):
-
-        def sub(m):
-            env = {"NEURON_FLOWS_ROOT": str(ROOT), **os.environ}
-            if m.group(1) not in env:
-                raise ValueError(f"{DEPLOYMENTS.name} refers to ${m.group(1)}, which is not set")
-            return env[m.group(1)]
-
-        return _ENV_REF.sub(sub, value)
-    if isinstance(value, list):
-        return [_fill_env(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _fill_env(v) for k, v in value.items()}
-    return value
-
-
 def load_spec(path: Path = DEPLOYMENTS) -> dict:
-    return _fill_env(yaml.safe_load(path.read_text()))
+    """``deployments/prefect.yaml`` as written; ``prefect deploy`` fills in its placeholders."""
+    return yaml.safe_load(path.read_text())
 
 
-async def register(spec: dict, base: Path = DEPLOYMENTS.parent) -> list[str]:
-    """Create or update the spec's work pools and deployments; returns ``flow/deployment`` names."""
+async def create_work_pools(spec: dict, base: Path = DEPLOYMENTS.parent) -> None:
+    """Create or update the work pools of the spec's ``work_pools`` key. The key is this project's:
+    ``prefect deploy`` reads no pool definitions and creates a missing pool only when it can ask,
+    so the pools are made first, as ``prefect work-pool create --overwrite`` would."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
-    from prefect.client.schemas.schedules import construct_schedule
-    from prefect.flows import load_flow_from_entrypoint
-    from prefect.utilities.callables import parameter_schema
+    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.workers.process import ProcessWorker
 
-    names = []
     async with get_client() as client:
         for pool in spec.get("work_pools", []):
             if "base_job_template" in pool:
@@ -95,29 +83,72 @@ async def register(spec: dict, base: Path = DEPLOYMENTS.parent) -> list[str]:
             await client.create_work_pool(
                 WorkPoolCreate(name=pool["name"], type=pool["type"], base_job_template=template), overwrite=True
             )
-        for dep in spec["deployments"]:
-            flow = load_flow_from_entrypoint(str(ROOT / dep["entrypoint"]))
-            flow_id = await client.create_flow_from_name(flow.name)
-            schedules = []
-            for s in dep.get("schedules") or []:
-                s = dict(s)
-                active = s.pop("active", True)
-                schedules.append(DeploymentScheduleCreate(schedule=construct_schedule(**s), active=active))
-            await client.create_deployment(
-                flow_id=flow_id,
-                name=dep["name"],
-                description=dep.get("description"),
-                tags=dep.get("tags", []),
-                work_pool_name=dep["work_pool"]["name"],
-                job_variables=dep["work_pool"].get("job_variables") or {},
-                entrypoint=dep["entrypoint"],
-                pull_steps=dep.get("pull"),
-                parameters=dep.get("parameters") or {},
-                parameter_openapi_schema=parameter_schema(flow).model_dump_for_openapi(),
-                enforce_parameter_schema=True,
-                schedules=schedules,
-            )
-            names.append(f"{flow.name}/{dep['name']}")
+
+
+def prefect_deploy(prefect_file: Path = DEPLOYMENTS) -> str:
+    """``prefect --no-prompt deploy --all --prefect-file FILE`` from the repository root, against the
+    current Prefect settings' API. Prefect's own command, not a reading of the file here: its
+    deploy code is private to its command line (``prefect.cli.deploy``), and this way the file
+    means exactly what it means to a user who runs the command (validation, ``{{ $NAME }}``
+    placeholders, pull steps, schedules, parameter schema). ``NEURON_FLOWS_ROOT`` defaults to this
+    repository's root. Returns the last lines the command printed."""
+    from prefect.settings import get_current_settings
+
+    env = {
+        "NEURON_FLOWS_ROOT": str(ROOT),
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "COLUMNS": "200",  # its messages unwrapped, should they be shown below
+    }
+    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = "\n".join((out.stdout + out.stderr).strip().splitlines()[-30:])
+    if out.returncode != 0:  # a file Prefect refuses, or no server: its own words name the problem
+        raise ValueError(f"prefect deploy of {prefect_file} failed (exit code {out.returncode}):\n{tail}")
+    return tail
+
+
+async def _deployed_names(spec: dict, said: str) -> list[str]:
+    """``flow/deployment`` of each deployment of the spec, read back from the server: what proves
+    that ``prefect deploy`` made them (it skips a file it finds invalid, and ``said`` why)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    wanted = {(d["name"], d["entrypoint"]) for d in spec["deployments"]}
+    async with get_client() as client:
+        found = await client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=sorted({n for n, _ in wanted})))
+        )
+        names = {
+            (d.name, d.entrypoint): f"{(await client.read_flow(d.flow_id)).name}/{d.name}"
+            for d in found
+            if (d.name, d.entrypoint) in wanted
+        }
+    if missing := sorted(name for name, _ in wanted - set(names)):
+        raise ValueError(f"prefect deploy made no deployment named {', '.join(missing)}; it said:\n{said}")
+    return sorted(names.values())
+
+
+async def register(spec: dict | None = None) -> list[str]:
+    """Create or update the work pools, then deploy the deployments with ``prefect deploy``, of
+    ``spec`` (default: ``deployments/prefect.yaml`` itself); returns ``flow/deployment`` names."""
+    await create_work_pools(load_spec() if spec is None else spec)
+    if spec is None:
+        return await _deployed_names(load_spec(), prefect_deploy())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "prefect.yaml")
+        path.write_text(yaml.safe_dump({k: v for k, v in spec.items() if k != "work_pools"}, sort_keys=False))
+        said = prefect_deploy(path)
+    return await _deployed_names(spec, said)
+
+
+async def _register_all() -> list[str]:
+    """Pools, deployments and, when a webhook is set, the failure notifications (flows/notify.py)."""
+    from neuron_flows.flows.notify import sync_failure_notifications
+
+    names = await register()
+    if await sync_failure_notifications(sorted({n.split("/", 1)[0] for n in names})):
+        print(f"failure notifications: on (${WEBHOOK_ENV})", flush=True)
     return names
 
 
@@ -334,6 +365,8 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         "NEURON_FLOWS_ROOT": str(ROOT),
         SERVE_ID_ENV: serve_id,
     }
+    if os.environ.get(WEBHOOK_ENV, "").strip():  # the services that run automations and their actions
+        env["PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED"] = "true"
     os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_API_URL", "NEURON_FLOWS_ROOT")})
     children: list[_Child] = []  # in the order they stop: the worker before the server
 
@@ -347,7 +380,7 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
         server_cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
         children.append(_Child("server", server_cmd, env))
         _wait_healthy(api, children[0].proc)
-        names = asyncio.run(register(load_spec()))
+        names = asyncio.run(_register_all())
         if worker:
             _mark_lost_runs()  # runs a worker of an earlier serve left Running when it was killed
             worker_cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
@@ -369,6 +402,6 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
 
 
 def register_only() -> int:
-    names = asyncio.run(register(load_spec()))
+    names = asyncio.run(_register_all())
     print(f"deployments: {', '.join(names)}")
     return 0

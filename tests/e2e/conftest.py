@@ -10,13 +10,25 @@ from ..conftest import ROOT
 from .service_helpers import Service
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
+@pytest.fixture(scope="session")
+def repo_tiny():
+    """The tiny model, tokenizer and corpus in the repository's .tiny/, which the deployments'
+    defaults read (made if missing, as `make demo` does)."""
     if not (ROOT / ".tiny" / "model" / "config.json").exists():
         from neuron_parallel.tiny import make_tiny_world
 
         make_tiny_world(ROOT / ".tiny")
-    svc = Service(tmp_path_factory.mktemp("prefect-home"))
+
+
+@pytest.fixture(scope="module")
+def service_env() -> dict[str, str]:
+    """Environment variables for the module's `neuron-flows serve`; a module overrides it."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, repo_tiny, service_env):
+    svc = Service(tmp_path_factory.mktemp("prefect-home"), extra_env=service_env)
     made = []
     svc.made = made
     yield svc

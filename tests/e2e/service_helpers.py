@@ -37,7 +37,7 @@ class _RetryingClient(httpx.Client):
 class Service:
     """A `neuron-flows serve` subprocess and a small client of its REST API."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, extra_env: dict[str, str] | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -50,6 +50,7 @@ class Service:
             "PREFECT_WORKER_QUERY_SECONDS": "2",
             "PREFECT_RUNNER_POLL_FREQUENCY": "2",
             "PREFECT_LOGGING_LEVEL": "INFO",
+            **(extra_env or {}),
         }
         env.pop("PREFECT_API_URL", None)
         self.proc = subprocess.Popen(

@@ -1,16 +1,21 @@
 """Structure of the `trn2` Kubernetes work pool: deployments/trn2/base-job-template.json and cluster.yaml.
 
 No cluster and no network: the template is rendered the way Prefect's worker renders it (schema defaults,
-then `prefect.utilities.templating.apply_values`), and the pod's shell entrypoint is run with /bin/sh."""
+then `prefect.utilities.templating.apply_values`), and by prefect-kubernetes' own worker job configuration
+for a flow run; every object is checked against the Kubernetes API's models (the `kubernetes` client's);
+the pod's shell entrypoint is run with /bin/sh."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import difflib
 import json
 import os
 import re
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = ROOT / "deployments" / "trn2" / "base-job-template.json"
 CLUSTER_PATH = ROOT / "deployments" / "trn2" / "cluster.yaml"
+DEPLOYMENTS_PATH = ROOT / "deployments" / "prefect.yaml"
 
 # Keys the Prefect kubernetes worker reads from `job_configuration` (its default template has exactly these).
 WORKER_KEYS = {
@@ -107,8 +113,8 @@ def test_template_shape(template):
         assert prop.get("description"), f"variable {name} has no description"
     assert props["namespace"]["default"] == "neuron-flows"
     assert props["nnodes"]["type"] == "integer" and props["nnodes"]["default"] == 2
-    assert props["neuron_devices"]["default"] == 16
-    assert props["efa_interfaces"]["default"] == 16
+    assert props["neuron_devices"]["default"] == "16"  # Kubernetes quantities: strings
+    assert props["efa_interfaces"]["default"] == "16"
     assert props["shm_size"]["default"] == "64Gi"
     assert props["fsx_claim"]["default"] == "fsx-claim"
     assert props["output_mount"]["default"] == "/fsx"
@@ -153,8 +159,8 @@ def test_rendered_job_is_an_indexed_multi_node_job(template):
     assert c["name"] == "prefect-job"
     assert c["image"].endswith("/neuron-flows:latest")
     for part in ("limits", "requests"):
-        assert c["resources"][part]["aws.amazon.com/neuron"] == 16
-        assert c["resources"][part]["vpc.amazonaws.com/efa"] == 16
+        assert c["resources"][part]["aws.amazon.com/neuron"] == "16"
+        assert c["resources"][part]["vpc.amazonaws.com/efa"] == "16"
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert "cpu" not in c["resources"]["limits"]  # no default limit
 
@@ -163,7 +169,7 @@ def test_overrides_reach_the_manifest(template):
     cfg = render(
         template,
         nnodes=4,
-        neuron_devices=8,
+        neuron_devices="8",
         output_mount="/mnt/out",
         fsx_claim="other",
         shm_size="8Gi",
@@ -172,7 +178,7 @@ def test_overrides_reach_the_manifest(template):
     spec = cfg["job_manifest"]["spec"]
     assert spec["completions"] == spec["parallelism"] == 4
     c = container(cfg)
-    assert c["resources"]["limits"]["aws.amazon.com/neuron"] == 8
+    assert c["resources"]["limits"]["aws.amazon.com/neuron"] == "8"
     assert {"name": "fsx", "mountPath": "/mnt/out"} in c["volumeMounts"]
     vols = {v["name"]: v for v in pod_spec(cfg)["volumes"]}
     assert vols["fsx"]["persistentVolumeClaim"]["claimName"] == "other"
@@ -289,3 +295,211 @@ def test_entrypoint_refuses_index_0_without_a_command(template):
     )
     assert out.returncode != 0
     assert "neuron-flows join" in c["command"][2]
+
+
+# What prefect-kubernetes' worker makes of the template for a flow run, checked against the Kubernetes API.
+
+PREFECT_POD_KEYS = {"spec.template.spec.parallelism", "spec.template.spec.completions"}
+"""Keys prefect-kubernetes' worker requires in every job template (its manifest check diffs against a base
+that has them) though a PodSpec has no such fields; the API server drops them, with a warning under its
+default field validation (Warn). test_the_worker_requires_its_pod_keys shows they are still required."""
+
+
+def unknown_fields(data, type_name: str, path: str = "") -> list[str]:
+    """Keys of ``data`` that the Kubernetes API type ``type_name`` (a ``kubernetes.client`` model name, or
+    ``List[...]`` / ``Dict[str, ...]`` of one) has no field for, at any depth, each with its path and the
+    nearest field names. Written here because the client's deserializer builds a model from the keys it
+    knows and silently drops the others, as the API server does under its default field validation."""
+    from kubernetes.client import models
+
+    if type_name.startswith("List[") and isinstance(data, list):
+        return [p for i, item in enumerate(data) for p in unknown_fields(item, type_name[5:-1], f"{path}[{i}]")]
+    if type_name.startswith("Dict[str, ") and isinstance(data, dict):
+        inner = type_name[len("Dict[str, ") : -1]
+        return [p for key, value in data.items() for p in unknown_fields(value, inner, f"{path}.{key}")]
+    model = getattr(models, type_name, None)
+    if model is None or not isinstance(data, dict):
+        return []  # a primitive, an int-or-string (`object`): the deserializer checks those
+    fields = {json_key: attr for attr, json_key in model.attribute_map.items()}
+    problems = []
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=2)
+            problems.append(f"{where}: {type_name} has no field {key!r}" + (f" (did you mean {near}?)" if near else ""))
+        else:
+            problems += unknown_fields(value, model.openapi_types[fields[key]], where)
+    return problems
+
+
+def k8s_problems(obj: dict, allowed: set[str] = frozenset()) -> list[str]:
+    """What the Kubernetes API would refuse in ``obj``, one object of a manifest: the client's model of its
+    kind (``V1Job`` for batch/v1 Job) must deserialize it, with strict types and every required field, and
+    it must have no field the model lacks, except the paths in ``allowed``."""
+    from kubernetes.client import ApiClient
+
+    model = obj["apiVersion"].rsplit("/", 1)[-1].capitalize() + obj["kind"]
+    problems = [p for p in unknown_fields(obj, model) if p.split(":", 1)[0] not in allowed]
+    try:
+        ApiClient().deserialize(json.dumps(obj), model, "application/json")
+    except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        problems.append(f"{model}: {err}")
+    return problems
+
+
+def worker_job(template: dict, values: dict) -> dict:
+    """The Job prefect-kubernetes' worker submits for a flow run of finetune/trn2 whose job variables
+    (the deployment's, then the run's) are ``values``: its job configuration built from the pool's
+    template and the values, then prepared for the run, as the worker does before creating the Job."""
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.objects import Flow, FlowRun, WorkPool
+    from prefect.client.schemas.responses import DeploymentResponse
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    flow = Flow(id=uuid.uuid4(), name="finetune")
+    deployment = DeploymentResponse(id=uuid.uuid4(), name="trn2", flow_id=flow.id)
+    run = FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=flow.id, deployment_id=deployment.id)
+    # The template refers to no block or Prefect variable, so the client is never called: one that points
+    # nowhere proves it (without it, Prefect would start a temporary server to resolve nothing).
+    nowhere = PrefectClient(api="http://127.0.0.1:9/api")
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(template, values, client=nowhere))
+    pool = WorkPool(name="trn2", type="kubernetes", base_job_template=template)
+    config.prepare_for_flow_run(run, deployment=deployment, flow=flow, work_pool=pool, worker_name="trn2-worker")
+    return config.job_manifest
+
+
+def trn2_job_variables() -> dict:
+    (dep,) = [d for d in yaml.safe_load(DEPLOYMENTS_PATH.read_text())["deployments"] if d["name"] == "trn2"]
+    return dep["work_pool"]["job_variables"]
+
+
+EVERY_OPTION = {
+    "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/neuron-flows:2026.1",
+    "env": {"HF_HOME": "/fsx/hf", "NEURON_RT_LOG_LEVEL": "WARNING"},
+    "labels": {"team": "llm"},
+    "namespace": "training",
+    "nnodes": 4,
+    "neuron_devices": "16",
+    "efa_interfaces": "8",
+    "cpu_limit": "190",
+    "memory_limit": "1900Gi",
+    "finished_job_ttl": 3600,
+    "job_watch_timeout_seconds": 600,
+    "tolerations": [{"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+}
+
+
+@pytest.mark.parametrize("extra", [{}, EVERY_OPTION], ids=["deployment-defaults", "every-option"])
+def test_worker_renders_a_valid_kubernetes_job(template, extra):
+    job = worker_job(template, {**trn2_job_variables(), **extra})
+    assert k8s_problems(job, allowed=PREFECT_POD_KEYS) == []
+    assert {p.split(":", 1)[0] for p in unknown_fields(job, "V1Job")} == PREFECT_POD_KEYS
+    spec = job["spec"]
+    assert spec["completions"] == spec["parallelism"] == extra.get("nnodes", 2)
+    (c,) = spec["template"]["spec"]["containers"]
+    assert c["args"] == ["prefect", "flow-run", "execute"]  # pod 0's "$@"
+    names = [e["name"] for e in c["env"]]
+    assert names.index("PREFECT__FLOW_RUN_ID") < names.index("JOB_NAME")  # Prefect's env first, then ours
+    assert len(names) == len(set(names))
+    assert job["metadata"]["labels"]["prefect.io/flow-run-name"] == "brave-otter"
+    assert spec["template"]["metadata"]["labels"]["neuron-flows/role"] == "trainer"  # the Service selects it
+    if extra:
+        assert job["metadata"]["namespace"] == "training" and spec["ttlSecondsAfterFinished"] == 3600
+        assert c["resources"]["limits"] == {
+            "aws.amazon.com/neuron": "16",
+            "vpc.amazonaws.com/efa": "8",
+            "cpu": "190",
+            "memory": "1900Gi",
+        }
+        assert {"name": "HF_HOME", "value": "/fsx/hf"} in c["env"]
+
+
+def test_the_worker_requires_its_pod_keys(template):
+    """Were prefect-kubernetes to stop requiring them, PREFECT_POD_KEYS could leave the template."""
+    broken = copy.deepcopy(template)
+    del broken["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["parallelism"]
+    with pytest.raises(ValueError, match="/spec/template/spec/parallelism"):
+        worker_job(broken, trn2_job_variables())
+
+
+def _pod(t: dict) -> dict:
+    return t["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+
+
+def _misspell_volume_mounts(t):
+    c = _pod(t)["containers"][0]
+    c["volumeMount"] = c.pop("volumeMounts")
+
+
+def _misspell_pod_labels(t):
+    meta = t["job_configuration"]["job_manifest"]["spec"]["template"]["metadata"]
+    meta["label"] = meta.pop("labels")
+
+
+def _string_backoff_limit(t):
+    t["job_configuration"]["job_manifest"]["spec"]["backoffLimit"] = "0"
+
+
+def _string_host_network(t):
+    _pod(t)["hostNetwork"] = "false"
+
+
+def _integer_quantity(t):
+    t["variables"]["properties"]["neuron_devices"].update(type="integer", default=16)
+
+
+def _volume_without_claim_name(t):
+    fsx = next(v for v in _pod(t)["volumes"] if v["name"] == "fsx")
+    fsx["persistentVolumeClaim"] = {"readOnly": False}
+
+
+def _env_without_name(t):
+    del _pod(t)["containers"][0]["env"][-1]["name"]
+
+
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        pytest.param(
+            _misspell_volume_mounts,
+            "containers[0].volumeMount: V1Container has no field 'volumeMount'",
+            id="misspell_volume_mounts",
+        ),
+        pytest.param(
+            _misspell_pod_labels,
+            "spec.template.metadata.label: V1ObjectMeta has no field 'label'",
+            id="misspell_pod_labels",
+        ),
+        pytest.param(
+            _string_backoff_limit,
+            "V1JobSpec\nbackoffLimit\n  Input should be a valid integer",
+            id="string_backoff_limit",
+        ),
+        pytest.param(
+            _string_host_network, "V1PodSpec\nhostNetwork\n  Input should be a valid boolean", id="string_host_network"
+        ),
+        pytest.param(
+            _integer_quantity, "V1ResourceRequirements\nlimits.`aws.amazon.com/neuron`", id="integer_quantity"
+        ),
+        pytest.param(
+            _volume_without_claim_name, "V1PersistentVolumeClaimVolumeSource\nclaimName", id="volume_without_claim_name"
+        ),
+        pytest.param(_env_without_name, "V1EnvVar\nname", id="env_without_name"),
+    ],
+)
+def test_a_broken_template_fails_the_validation(template, breakage, expected):
+    broken = copy.deepcopy(template)
+    breakage(broken)
+    problems = k8s_problems(worker_job(broken, trn2_job_variables()), allowed=PREFECT_POD_KEYS)
+    assert problems and any(expected in p for p in problems), problems
+
+
+def test_cluster_objects_are_valid_kubernetes_objects(cluster):
+    for kind, obj in cluster.items():
+        assert k8s_problems(obj) == [], kind
+    broken = copy.deepcopy(cluster["Service"])
+    broken["spec"]["publishNotReadyAdresses"] = broken["spec"].pop("publishNotReadyAddresses")
+    assert k8s_problems(broken) == [
+        "spec.publishNotReadyAdresses: V1ServiceSpec has no field 'publishNotReadyAdresses'"
+        " (did you mean ['publishNotReadyAddresses']?)"
+    ]

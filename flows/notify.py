@@ -1,0 +1,172 @@
+"""Failure notifications for the fine-tuning deployments, in two halves.
+
+* In the flow run, :func:`failed_state`: when a step fails, the run ends Failed with a state
+  message that says what a person needs to act on: the step (task) that failed, the last training
+  step and its loss, the newest complete checkpoint, and the error. The UI shows it on the run's
+  page; the notification below quotes it. Prefect's flow-run events carry the state message, never
+  the run directory, so the flow run is the one place that can write these facts.
+* On the server, :func:`sync_failure_notifications`: a Prefect automation whose trigger is the
+  ``prefect.flow-run.Failed`` or ``prefect.flow-run.Crashed`` event of a run of a deployment of
+  the fine-tuning flow, and whose action posts a message (run name, state message, run page, how to
+  retry) through a ``CustomWebhookNotificationBlock`` to the webhook at ``NEURON_FLOWS_NOTIFY_WEBHOOK``.
+  The server renders the message with its own templates (``flow_run``, ``flow``, ``deployment``).
+
+A Crashed run's process ended without reporting (killed, its node lost): its message is the
+reason Prefect or ``neuron-flows serve`` recorded, and its last step and checkpoint are in its logs
+and run directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WEBHOOK_ENV = "NEURON_FLOWS_NOTIFY_WEBHOOK"
+"""The webhook URL failure notifications are posted to; unset or empty: no notifications."""
+AUTOMATION_NAME = "neuron-flows: fine-tuning run failed"
+BLOCK_NAME = "neuron-flows-failures"
+
+SUBJECT = "Fine-tuning run {{ flow_run.name }} {{ flow_run.state.name }}"
+BODY = """\
+Run {{ flow_run.name }} of {{ flow.name }}/{{ deployment.name }} ended {{ flow_run.state.name }}.
+{{ flow_run.state.message }}
+Run page: {{ flow_run|ui_url }}
+Retry: press Retry on the run page, or run `prefect flow-run retry {{ flow_run.id }}`. \
+Steps that finished are not repeated, and training continues from the newest complete checkpoint."""
+WEBHOOK_JSON = {"text": "{{subject}}\n{{body}}", "subject": "{{subject}}", "body": "{{body}}"}
+"""What the webhook receives: ``text`` for chat webhooks (Slack, Mattermost), plus the two parts."""
+
+
+def failure_message(run_dir: str | Path, exc: BaseException, failed_step: str | None) -> str:
+    """The state message of a failed run: failed step, last training step and loss, newest
+    complete checkpoint (read from ``run_dir``), and the error."""
+    from neuron_parallel.checkpoint import is_complete, list_checkpoints
+    from neuron_parallel.train import read_metrics
+
+    run = Path(run_dir).resolve()
+    metrics = run / "metrics.jsonl"
+    steps = [r for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
+    complete = [c for c in list_checkpoints(run) if is_complete(c)]
+    last = f"{steps[-1]['step']}, loss {steps[-1]['loss']:.4f}" if steps else "none (no training step finished)"
+    return "\n".join(
+        [
+            f"failed step: {failed_step or 'none (the flow failed outside its steps)'}",
+            f"last step: {last}",
+            f"newest complete checkpoint: {complete[-1] if complete else 'none'}",
+            f"run directory: {run}",
+            f"error: {type(exc).__name__}: {exc}",
+        ]
+    )
+
+
+def _failed_task(flow_run_id: str) -> str | None:
+    """The task of the flow run's newest Failed or Crashed task run (``train`` of ``train-1a2``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))
+            ),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+            limit=1,
+        )
+    return runs[0].name.rsplit("-", 1)[0] if runs else None
+
+
+def failed_state(run_dir: str | Path, exc: Exception):
+    """What a fine-tuning flow returns when a step raised ``exc``: a Failed state with
+    :func:`failure_message` as its message and ``exc`` as its data. Prefect ends the flow run in
+    it, and a direct call of the flow still raises ``exc`` itself."""
+    from prefect import get_run_logger
+    from prefect.runtime import flow_run
+    from prefect.states import Failed
+
+    get_run_logger().error("Encountered exception during execution:", exc_info=exc)
+    try:
+        step = _failed_task(flow_run.get_id()) if flow_run.get_id() else None
+    except Exception as err:  # the report must not hide the failure it reports
+        step = f"unknown (the task runs could not be read: {err})"
+    return Failed(message=failure_message(run_dir, exc, step), data=exc)
+
+
+def _webhook_block(url: str):
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    # The URL of a chat webhook is its credential: kept among the block's secrets, so the API and
+    # the UI show it masked, and filled into the request when the notification is sent.
+    return CustomWebhookNotificationBlock(
+        name=BLOCK_NAME, url="{{ webhook_url }}", json_data=WEBHOOK_JSON, secrets={"webhook_url": url}
+    )
+
+
+async def _delete_webhook_block() -> None:
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    try:
+        await CustomWebhookNotificationBlock.adelete(BLOCK_NAME)
+    except ValueError:  # Prefect's answer for no block of that name
+        pass
+
+
+def _automation(block_id, flow_names: list[str]):
+    from datetime import timedelta
+
+    from prefect.automations import Automation, EventTrigger, SendNotification
+
+    return Automation(
+        name=AUTOMATION_NAME,
+        description=f"Posts to ${WEBHOOK_ENV} when a run of a fine-tuning deployment fails or crashes.",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            # Every related resource spec must match: a run of one of these flows, from a deployment.
+            match_related=[
+                {"prefect.resource.role": "flow", "prefect.resource.name": flow_names},
+                {"prefect.resource.role": "deployment"},
+            ],
+            for_each={"prefect.resource.id"},
+            posture="Reactive",
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[SendNotification(block_document_id=block_id, subject=SUBJECT, body=BODY)],
+    )
+
+
+async def sync_failure_notifications(flow_names: list[str], webhook: str | None = None) -> bool:
+    """Create or update the failure automation for runs of ``flow_names``' deployments when a
+    webhook is given (default: ``$NEURON_FLOWS_NOTIFY_WEBHOOK``); without one, delete an automation
+    an earlier registration made, so notifications are off. Returns whether they are on."""
+    from prefect.automations import Automation
+
+    webhook = os.environ.get(WEBHOOK_ENV, "").strip() if webhook is None else webhook.strip()
+    if webhook and not webhook.startswith(("http://", "https://")):
+        raise ValueError(f"{WEBHOOK_ENV}={webhook!r} is not a URL: give the webhook's http(s):// address, or unset it")
+    try:
+        existing = await Automation.aread(name=AUTOMATION_NAME)
+    except ValueError:  # Prefect's answer for no automation of that name
+        existing = None
+    if not webhook:
+        if existing is not None:
+            await existing.adelete()
+            await _delete_webhook_block()
+        return False
+    block_id = await _webhook_block(webhook).asave(BLOCK_NAME, overwrite=True)
+    automation = _automation(block_id, sorted(set(flow_names)))
+    if existing is None:
+        await automation.acreate()
+    else:
+        automation.id = existing.id
+        await automation.aupdate()
+    return True
