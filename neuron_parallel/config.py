@@ -28,6 +28,7 @@ Precision = Literal["fp32", "bf16"]
 Optimizer = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["cpu", "cuda", "neuron"]
+ReportTo = Literal["tensorboard", "mlflow"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 PRECISIONS = get_args(Precision)
 OPTIMIZERS = get_args(Optimizer)
@@ -360,8 +361,19 @@ class TrainConfig:
     excluded) and report it next to the planner's prediction (``memory.json``, a ``memory``
     event). On CPU through the profiler (``neuron_parallel.memprof``: slower steps), on
     accelerators from the device allocator's statistics."""
+    report_to: list[ReportTo] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers rank 0 also sends every step's metrics to (metrics.jsonl is always written):
+    tensorboard (event files in <run dir>/tensorboard), mlflow (the run in MLFLOW_TRACKING_URI,
+    else in <run dir>/mlflow.db; needs the mlflow extra); an empty list sends them nowhere else."""
 
     def __post_init__(self) -> None:
+        self.report_to = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        unknown = [name for name in self.report_to if name not in get_args(ReportTo)]
+        if unknown:
+            raise ValueError(
+                f"train.report_to has {unknown}, not among {list(get_args(ReportTo))}; "
+                "list some of those, or none ([]) to write metrics.jsonl only"
+            )
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -36,13 +36,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .checkpoint.output import OWNER_FILE
 
-__all__ = ["HubCommit", "upload_model", "write_model_card"]
+__all__ = ["HubCommit", "base_model_license", "card_data_table", "upload_model", "write_model_card"]
 
 # Endpoints that speak Xet. Any other endpoint (a self-hosted Hub, a test server) gets plain LFS uploads.
 _XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
@@ -71,38 +72,74 @@ def write_model_card(
     base_model: str,
     datasets: list[str],
     summary: dict[str, object],
+    data: dict[str, object] | None = None,
+    config: dict | None = None,
+    loss_curve: str | None = None,
+    license: str | None = None,
 ) -> Path:
-    """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a short description.
+    """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a description of the run.
 
     The metadata says ``library_name: transformers`` (``peft`` and the ``lora`` tag for a peft adapter
-    directory, one with ``adapter_config.json``) and carries the ``neuron-flows`` tag; ``base_model``
-    and ``datasets`` are listed only when they are Hub repo ids, because the Hub rejects cards whose
-    ``base_model`` is not a repo and a local path means nothing to a reader. The body names the base
-    model and data, tabulates ``summary`` (e.g. steps, final loss, parallel layout) and shows how to
-    load the model from ``repo_id`` (or from ``model_dir`` when there is no repo id yet): an adapter
-    onto its base model with peft, and the merged model of a ``merged/`` folder beside it.
+    directory, one with ``adapter_config.json``), carries the ``neuron-flows`` tag and ``license``
+    when given; ``base_model`` and ``datasets`` are listed only when they are Hub repo ids, because
+    the Hub rejects cards whose ``base_model`` is not a repo and a local path means nothing to a
+    reader. The body names the base model and data, tabulates ``summary`` (e.g. steps, final loss,
+    parallel layout, hardware), embeds ``loss_curve`` (an image file in ``model_dir``, linked by its
+    relative path so it shows on the Hub next to the card), tabulates ``data`` (e.g.
+    :func:`card_data_table`), shows how to load the model from ``repo_id`` (or from ``model_dir``
+    when there is no repo id yet): an adapter onto its base model with peft, and the merged model of
+    a ``merged/`` folder beside it; and ends with ``config`` as a YAML block.
 
     Returns the path of the card. Raises ``ValueError`` if ``model_dir`` is missing or has neither
-    ``config.json`` nor ``adapter_config.json``.
+    ``config.json`` nor ``adapter_config.json``, or if ``loss_curve`` is not a file in it.
     """
     model_dir = _check_model_dir(model_dir)
+    if loss_curve is not None and not (model_dir / loss_curve).is_file():
+        raise ValueError(f"the loss curve {model_dir / loss_curve} does not exist; write the image there first")
     adapter = _adapter_config(model_dir)
     hub_base = base_model if _is_hub_repo_id(base_model) else None
     hub_datasets = [name for name in datasets if _is_hub_repo_id(name)]
-    data = ModelCardData(
+    metadata = ModelCardData(
         library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
         tags=["neuron-flows", "fine-tuned", *(["lora"] if adapter else [])],
         base_model=hub_base,
         datasets=hub_datasets or None,
+        license=license,
     )
     reference = repo_id or str(model_dir.resolve())
     title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
-    body = _card_body(title, reference, base_model, datasets, summary, model_dir, adapter)
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+    lines = _card_intro(title, base_model, datasets, summary, adapter) + _loss_and_data(loss_curve, data or {})
+    lines += _usage(reference, base_model, model_dir, adapter) + _configuration(config)
+    card = ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n".join(lines))
     path = model_dir / "README.md"
     card.save(path)
     return path
+
+
+def card_data_table(audit: dict, *, sources: list[str], block_size: int) -> dict[str, object]:
+    """The model card's data rows from a tokenize audit (``neuron_parallel.audit``)."""
+    rows: dict[str, object] = {
+        "sources": ", ".join(_describe(name, "dataset", "datasets/") for name in sources),
+        "format": f"{audit.get('format', 'text')} ({audit.get('packing', 'stream')} packing)",
+        "examples": f"{audit.get('examples', 0):,} ({audit.get('kept', 0):,} kept, "
+        f"{audit.get('truncated', 0):,} truncated, {audit.get('dropped', 0):,} dropped)",
+        "tokens": f"{audit.get('tokens', 0):,} ({audit.get('trained_tokens', 0):,} trained on, "
+        f"{audit.get('trained_fraction', 0):.1%})",
+        "rows": f"{audit.get('rows', 0):,} of {block_size} tokens ({audit.get('fill', 0):.1%} filled)",
+    }
+    if audit.get("eval_examples"):
+        rows["eval"] = f"{audit['eval_examples']:,} examples in {audit.get('eval_rows', 0):,} rows"
+    return rows
+
+
+def base_model_license(model_dir: str | Path) -> str | None:
+    """The ``license`` in the metadata of the base model's card (``model_dir/README.md``), which a
+    fine-tuned model inherits; None when there is no card or it names none."""
+    path = Path(model_dir) / "README.md"
+    if not path.is_file():
+        return None
+    return ModelCard.load(path).data.license
 
 
 def upload_model(
@@ -216,28 +253,52 @@ def _model_files(model_dir: Path) -> Iterator[tuple[str, Path]]:
                 yield path_in_repo, local
 
 
+def _describe(name: str, kind: str, url_prefix: str) -> str:
+    """A Hub id as a link; of a local path only the last component (the rest is this machine's layout)."""
+    if _is_hub_repo_id(name):
+        return f"[{name}](https://huggingface.co/{url_prefix}{name})"
+    return f"a local {kind} (`{Path(name).name}`)"
+
+
+def _md_table(rows: dict[str, object]) -> list[str]:
+    return ["| Item | Value |", "| --- | --- |", *(f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in rows.items())]
+
+
+def _loss_and_data(loss_curve: str | None, data: dict[str, object]) -> list[str]:
+    lines: list[str] = []
+    if loss_curve:
+        lines += ["## Loss curve", "", f"![loss curve]({Path(loss_curve).as_posix()})", ""]
+    if data:
+        lines += ["## Data", "", *_md_table(data), ""]
+    return lines
+
+
+def _configuration(config: dict | None) -> list[str]:
+    if not config:
+        return []
+    dumped = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip()
+    return [
+        "## Configuration",
+        "",
+        "The run's configuration (`neuron-flows run` takes it):",
+        "",
+        "```yaml",
+        dumped,
+        "```",
+        "",
+    ]
+
+
 def _md_cell(value: object) -> str:
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _card_body(
-    title: str,
-    reference: str,
-    base_model: str,
-    datasets: list[str],
-    summary: dict[str, object],
-    model_dir: Path,
-    adapter: dict | None = None,
-) -> str:
-    def describe(name: str, kind: str, url_prefix: str) -> str:
-        # Link Hub ids; of a local path show only the last component (the rest is this machine's layout).
-        if _is_hub_repo_id(name):
-            return f"[{name}](https://huggingface.co/{url_prefix}{name})"
-        return f"a local {kind} (`{Path(name).name}`)"
-
-    data = ", ".join(describe(name, "dataset", "datasets/") for name in datasets)
-    base = describe(base_model, "checkpoint", "")
+def _card_intro(
+    title: str, base_model: str, datasets: list[str], summary: dict[str, object], adapter: dict | None
+) -> list[str]:
+    data = ", ".join(_describe(name, "dataset", "datasets/") for name in datasets)
+    base = _describe(base_model, "checkpoint", "")
     if adapter:
         targets = ", ".join(adapter.get("target_modules") or [])
         what = f"A LoRA adapter (r={adapter['r']}, alpha={adapter['lora_alpha']}, on {targets}) for {base},"
@@ -246,12 +307,14 @@ def _card_body(
         lines = [f"# {title}", "", f"A causal language model fine-tuned from {base} with neuron-flows"]
     lines += [f"on {data}." if datasets else "(training data not recorded).", ""]
     if summary:
-        lines += ["## Training summary", "", "| Item | Value |", "| --- | --- |"]
-        lines += [f"| {_md_cell(key)} | {_md_cell(value)} |" for key, value in summary.items()]
-        lines.append("")
+        lines += ["## Training summary", "", *_md_table(summary), ""]
+    return lines
+
+
+def _usage(reference: str, base_model: str, model_dir: Path, adapter: dict | None) -> list[str]:
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     quoted = json.dumps(reference)  # a valid Python string literal, whatever the path contains
-    lines += ["## Usage", "", "```python"]
+    lines = ["## Usage", "", "```python"]
     lines.append("from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if has_tokenizer else ""))
     if adapter:
         if _is_hub_repo_id(base_model):
@@ -275,7 +338,7 @@ def _card_body(
             ")",
         ]
     lines += ["```", ""]
-    return "\n".join(lines)
+    return lines
 
 
 # A refcount rather than a plain lock, so that overlapping uploads to non-Xet endpoints run concurrently

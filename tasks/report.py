@@ -2,6 +2,7 @@
 
 import base64
 import io
+import json
 from pathlib import Path
 
 from prefect import task
@@ -10,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from neuron_parallel.hub import HubCommit
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout
+from neuron_parallel.reporting import MLFLOW_RUN_FILE, TENSORBOARD_DIR, tag_mlflow_run
 from neuron_parallel.train import read_metrics
 
 from .common import STEP_POLICY
@@ -78,8 +80,20 @@ def summary_markdown(
         f"| validated checkpoint | [{checkpoint}](file://{Path(checkpoint).resolve()}) |",
         f"| consolidated model | [{model_dir}](file://{Path(model_dir).resolve()}) |",
         f"| Hub | {hub} |",
+        *tracker_rows(Path(result.run_dir)),
     ]
     return "\n".join(lines) + "\n"
+
+
+def tracker_rows(run_dir: Path) -> list[str]:
+    """Where else the metrics are: the TensorBoard command and the MLflow run, when the run reported there."""
+    rows = []
+    if (run_dir / TENSORBOARD_DIR).is_dir():
+        rows.append(f"| TensorBoard | `tensorboard --logdir {(run_dir / TENSORBOARD_DIR).resolve()}` |")
+    if (run_dir / MLFLOW_RUN_FILE).is_file():
+        saved = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())
+        rows.append(f"| MLflow | run `{saved['run_id']}` in `{saved['tracking_uri']}` |")
+    return rows
 
 
 def eval_rows(metrics: list[dict]) -> list[str]:
@@ -99,11 +113,14 @@ def eval_rows(metrics: list[dict]) -> list[str]:
 def report(
     result: TrainResult, layout: CheckedLayout, checkpoint: str, model_dir: str, commit: HubCommit | None
 ) -> str:
-    """Write ``loss_curve.png`` into the run directory and the summary artifact; returns its markdown."""
+    """Write ``loss_curve.png`` into the run directory and the summary artifact, and tag the run's MLflow
+    run (if any) with the consolidated model and Hub URL; returns the summary's markdown."""
     path = Path(result.run_dir) / "metrics.jsonl"
     metrics = read_metrics(path)
     png = loss_curve_png(metrics)
     (Path(result.run_dir) / "loss_curve.png").write_bytes(png)
     markdown = summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png)
+    tags = {"consolidated_model": str(Path(model_dir).resolve()), **({"hub_url": commit.url} if commit else {})}
+    tag_mlflow_run(result.run_dir, tags)  # when the run reported to MLflow: where its model went
     create_markdown_artifact(key="summary", markdown=markdown, description="Loss curve, checkpoints, model, Hub commit")
     return markdown

@@ -9,6 +9,7 @@ from neuron_parallel.data import TokenizedDataset
 from neuron_parallel.launch import LAUNCH_FILE_ENV, TrainResult, publish_launch, run_torchrun
 from neuron_parallel.models.causal_lm import resolve_model_dir
 from neuron_parallel.planning.layout import CheckedLayout
+from neuron_parallel.reporting import format_duration
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig
@@ -27,14 +28,17 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayo
     def on_event(event: dict) -> None:
         kind = event["event"]
         if kind == "step":
-            update_progress_artifact(progress, progress=100.0 * event["step"] / event["max_steps"])
+            eta = format_duration(event.get("eta_s", 0.0))
+            done = f"step {event['step']}/{event['max_steps']}, eta {eta}"
+            update_progress_artifact(progress, progress=100.0 * event["step"] / event["max_steps"], description=done)
             log.info(
-                "step %d/%d loss %.4f lr %.2e %.0f tok/s",
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s eta %s",
                 event["step"],
                 event["max_steps"],
                 event["loss"],
                 event["lr"],
                 event["tokens_per_s"],
+                eta,
             )
         elif kind == "eval":
             log.info("step %d eval loss %.4f (%d tokens)", event["step"], event["eval_loss"], event["eval_tokens"])

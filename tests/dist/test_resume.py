@@ -15,6 +15,7 @@ from neuron_parallel.launch import process_tree, run_ranks
 from neuron_parallel.train import FAIL_AFTER_ENV
 
 from ..conftest import ROOT, read_metrics, torchrun, write_job
+from ..unit.test_reporting import tensorboard_scalars
 
 
 def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tiny_dataset, tmp_path):
@@ -45,6 +46,9 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     ours, ref = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
     assert [m["step"] for m in ours] == list(range(1, 41))
     assert [m["loss"] for m in ours[10:]] == [m["loss"] for m in ref[10:]]
+    # Steps the killed run logged past its checkpoint are purged: one loss per step, as in metrics.jsonl.
+    losses = tensorboard_scalars(tmp_path / "run", "train/loss")
+    assert losses == {m["step"]: [pytest.approx(m["loss"], rel=1e-6)] for m in ours}
     a = load_file(consolidate_checkpoint(tmp_path / "run", tmp_path / "a") / "model.safetensors")
     b = load_file(consolidate_checkpoint(tmp_path / "ref", tmp_path / "b") / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

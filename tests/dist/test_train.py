@@ -17,6 +17,7 @@ from neuron_parallel.checkpoint.resume import find_resume_checkpoint
 from neuron_parallel.train import FAIL_AFTER_ENV
 
 from ..conftest import read_metrics, torchrun, write_job
+from ..unit.test_reporting import tensorboard_scalars
 
 STEPS = 6
 TRAIN = dict(max_steps=STEPS, save_every=2, keep_checkpoints=0, lr=2e-3, warmup_steps=1, seed=1)
@@ -50,13 +51,30 @@ def test_dp2_equals_one_rank_with_the_same_global_batch(dp2_run, tiny_world, tin
         assert a["lr"] == b["lr"] and a["tokens_seen"] == b["tokens_seen"]
     assert two[-1]["loss"] < two[0]["loss"]
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(two[0])
+    assert_tensorboard_matches_metrics(dp2_run)
 
 
-def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_dataset, tmp_path):
-    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2, train=dict(TRAIN, micro_batch_size=4))
+def assert_tensorboard_matches_metrics(run_dir) -> None:
+    """The run's TensorBoard event files, read by TensorBoard, hold exactly one loss per step of
+    metrics.jsonl, equal to it as float32."""
+    metrics = read_metrics(run_dir)
+    scalars = tensorboard_scalars(run_dir, "train/loss")
+    assert sorted(scalars) == [m["step"] for m in metrics]
+    for m in metrics:
+        assert scalars[m["step"]] == [pytest.approx(m["loss"], rel=1e-6)], (m["step"], scalars[m["step"]])
+    assert set(tensorboard_scalars(run_dir, "train/grad_norm")) == set(scalars)
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")  # inside mlflow's store
+def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store: <run dir>/mlflow.db
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    train = dict(TRAIN, micro_batch_size=4, report_to=["tensorboard", "mlflow"])
+    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2, train=train)
     crashed = torchrun(job, 2, env={FAIL_AFTER_ENV: "2"})
     assert crashed.returncode != 0
     assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-2"]
+    job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=2, train=dict(train, log_every=2))
     resumed = torchrun(job, 2)
     assert resumed.returncode == 0, resumed.stderr
     assert '"event": "resumed", "step": 2' in resumed.stdout
@@ -64,10 +82,32 @@ def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_datase
     ref = read_metrics(dp2_run)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in ours[2:]] == [m["loss"] for m in ref[2:]]
+    steps = [e for e in resumed.events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [4, 6] and steps[0]["eta_s"] > 0 and steps[-1]["eta_s"] == 0
+    assert_tensorboard_matches_metrics(tmp_path)
+    assert_one_mlflow_run_matches_metrics(tmp_path, ours)
     a = consolidate_checkpoint(tmp_path, tmp_path / "hf")
     b = consolidate_checkpoint(dp2_run, tmp_path / "hf_ref")
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def assert_one_mlflow_run_matches_metrics(run_dir, metrics: list[dict]) -> None:
+    """The crashed and the resumed run logged into one MLflow run (the default store in the run
+    directory), read with MlflowClient: its params, its metric history, its status."""
+    from mlflow.tracking import MlflowClient
+
+    from neuron_parallel.reporting import tag_mlflow_run
+
+    client = MlflowClient(f"sqlite:///{run_dir.resolve()}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("neuron-flows").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_from_step"] == "2"
+    assert run.data.params["train.lr"] == str(TRAIN["lr"]) and run.data.params["parallel.dp"] == "2"
+    assert run.data.params["train.log_every"] == "1" and run.data.tags["resume.train.log_every"] == "2"
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(m["step"], m["loss"]) for m in metrics]
+    assert tag_mlflow_run(run_dir, {"consolidated_model": "/models/ft"}) == run.info.run_id
+    assert client.get_run(run.info.run_id).data.tags["consolidated_model"] == "/models/ft"
 
 
 def test_checkpoint_is_valid_and_consolidates_to_the_trained_model(dp2_run, tmp_path):

@@ -77,7 +77,17 @@ def card_for(model_dir: Path, repo_id: str | None = REPO_ID, base_model: str = "
 
 
 def test_upload_then_snapshot_download_is_byte_identical(hub: LocalHub, model_dir: Path, tmp_path: Path) -> None:
-    card_for(model_dir)
+    (model_dir / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    write_model_card(
+        model_dir,
+        repo_id=REPO_ID,
+        base_model="TinyLlama/TinyLlama-1.1B",
+        datasets=["tatsu-lab/alpaca"],
+        summary={"steps": 2, "final loss": 2.1},
+        config={"train": {"max_steps": 2}},
+        loss_curve="loss_curve.png",
+        license="apache-2.0",
+    )
     commit = upload_model(model_dir, repo_id=REPO_ID, endpoint=hub.url, token=hub.token)
 
     assert isinstance(commit, HubCommit) and commit.repo_id == REPO_ID
@@ -88,6 +98,14 @@ def test_upload_then_snapshot_download_is_byte_identical(hub: LocalHub, model_di
     assert got.pop(".gitattributes")  # the server's initial commit, as on the Hub
     assert got == expected
     assert snapshot.name == commit.revision  # the snapshot is the commit upload_model reported
+    card = ModelCard.load(snapshot / "README.md")  # the card as the Hub serves it, with its loss curve beside it
+    assert (card.data.base_model, card.data.datasets, card.data.license) == (
+        "TinyLlama/TinyLlama-1.1B",
+        ["tatsu-lab/alpaca"],
+        "apache-2.0",
+    )
+    assert card.data.library_name == "transformers" and "neuron-flows" in card.data.tags
+    assert "![loss curve](loss_curve.png)" in card.text and (snapshot / "loss_curve.png").is_file()
 
     # The safetensors went through git-LFS (preupload -> batch -> PUT), the JSON files inline.
     tree = HfApi(endpoint=hub.url).list_repo_tree(REPO_ID, recursive=True)

@@ -69,6 +69,7 @@ SAMPLES = {
     "train.early_stopping_patience": 3,
     "train.resume_from": str(Path(__file__).resolve().parent),  # any existing folder: it must exist
     "train.profile_memory": True,
+    "train.report_to": ["tensorboard", "mlflow"],
     "launch.device": "cuda",
     "launch.nproc_per_node": 8,
     "launch.nnodes": 2,

@@ -1,0 +1,107 @@
+"""The model card as huggingface_hub reads it back: metadata, loss curve, data, configuration."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+
+from neuron_flows.tasks.config import FinetuneConfig
+from neuron_flows.tasks.upload import card_config, card_summary
+from neuron_parallel.config import ParallelConfig
+from neuron_parallel.hub import base_model_license, card_data_table, write_model_card
+from neuron_parallel.launch import TrainResult
+from neuron_parallel.planning.layout import CheckedLayout
+
+AUDIT = {
+    "format": "chat",
+    "packing": "documents",
+    "examples": 1200,
+    "kept": 1190,
+    "truncated": 7,
+    "dropped": 10,
+    "tokens": 250_000,
+    "trained_tokens": 100_000,
+    "trained_fraction": 0.4,
+    "rows": 980,
+    "fill": 0.9541,
+    "eval_examples": 60,
+    "eval_rows": 50,
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    root = tmp_path / "model"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (root / "tokenizer.json").write_text("{}")
+    (root / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return root
+
+
+def layout() -> CheckedLayout:
+    parallel = ParallelConfig(dp=2, tp=2, pp=1, zero_1=True, sequence_parallel=True)
+    return CheckedLayout(parallel, 4, 16, 1000, [4], micro_batch_size=2, grad_accum=4)
+
+
+def test_card_metadata_loss_curve_data_and_config_read_back(model_dir, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: llama3.1\n---\n# the base\n")
+    config = {"model": {"name_or_path": "meta-llama/Llama-3.1-8B"}, "train": {"max_steps": 3, "lr": 0.0002}}
+    sources = ["tatsu-lab/alpaca", str(tmp_path / "mine.jsonl")]
+    path = write_model_card(
+        model_dir,
+        repo_id="org/llama-ft",
+        base_model="meta-llama/Llama-3.1-8B",
+        datasets=sources,
+        summary={"steps": 3, "final loss": 1.25, "eval loss": 1.5},
+        data=card_data_table(AUDIT, sources=sources, block_size=256),
+        config=config,
+        loss_curve="loss_curve.png",
+        license=base_model_license(base),
+    )
+    card = ModelCard.load(path)
+    assert card.data.base_model == "meta-llama/Llama-3.1-8B" and card.data.datasets == ["tatsu-lab/alpaca"]
+    assert card.data.license == "llama3.1" and card.data.library_name == "transformers"
+    assert {"neuron-flows", "fine-tuned"} <= set(card.data.tags)
+    assert "![loss curve](loss_curve.png)" in card.text
+    assert "| final loss | 1.25 |" in card.text and "| eval loss | 1.5 |" in card.text
+    assert "| format | chat (documents packing) |" in card.text
+    assert "| tokens | 250,000 (100,000 trained on, 40.0%) |" in card.text
+    assert "| rows | 980 of 256 tokens (95.4% filled) |" in card.text
+    assert "| eval | 60 examples in 50 rows |" in card.text
+    assert "[tatsu-lab/alpaca](https://huggingface.co/datasets/tatsu-lab/alpaca), a local dataset (`mine.jsonl`)" in (
+        card.text
+    )
+    block = re.search(r"```yaml\n(.*?)```", card.text, re.S)
+    assert block and yaml.safe_load(block.group(1)) == config
+    assert 'AutoModelForCausalLM.from_pretrained("org/llama-ft")' in card.text
+
+
+def test_a_missing_loss_curve_and_a_base_without_license(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="loss_curve.svg does not exist"):
+        write_model_card(model_dir, repo_id=None, base_model="b", datasets=[], summary={}, loss_curve="loss_curve.svg")
+    assert base_model_license(tmp_path) is None
+    card = ModelCard.load(write_model_card(model_dir, repo_id=None, base_model="org/b", datasets=[], summary={}))
+    assert card.data.license is None and "## Configuration" not in card.text and "![loss curve]" not in card.text
+
+
+def test_the_cards_configuration_is_a_config_that_runs_the_chosen_layout():
+    config = FinetuneConfig.load(
+        None, ["launch.nproc_per_node=4", "data.block_size=64", "train.max_steps=7", "hub.repo_id=org/ft"]
+    )
+    assert config.parallel.tp == "auto" and config.train.micro_batch_size == "auto"
+    dumped = card_config(config, layout())
+    again = FinetuneConfig.model_validate(yaml.safe_load(yaml.safe_dump(dumped)))
+    assert again.parallel.tp == 2 and again.parallel.zero_1 is True and again.train.micro_batch_size == 2
+    assert again.train.max_steps == 7 and again.hub.repo_id == "org/ft"
+    result = TrainResult(run_dir="r", final_step=7, resumed_from_step=0, last_metrics={"loss": 2.0, "tokens_seen": 99})
+    summary = card_summary(config, result, layout())
+    assert summary["layout"] == "dp=2 tp=2 pp=1 zero1 sp" and summary["steps"] == 7
+    assert summary["hardware"] == "cpu: 1 node(s) × 4 cpu rank(s), fp32"
+    assert summary["batch"] == "16 sequences of 64 tokens per step (micro batch 2 × accumulation 4 × dp 2)"
