@@ -33,6 +33,8 @@ Run {{ flow_run.name }} of {{ flow.name }}/{{ deployment.name }} ended {{ flow_r
 Run page: {{ flow_run|ui_url }}
 Retry: press Retry on the run page, or run `prefect flow-run retry {{ flow_run.id }}`. \
 Steps that finished are not repeated, and training continues from the newest complete checkpoint."""
+MAX_ERROR_CHARS = 2000
+"""The longest error text a state message (and so a notification) quotes: its start and its end."""
 WEBHOOK_JSON = {"text": "{{subject}}\n{{body}}", "subject": "{{subject}}", "body": "{{body}}"}
 """What the webhook receives: ``text`` for chat webhooks (Slack, Mattermost), plus the two parts."""
 
@@ -48,13 +50,17 @@ def failure_message(run_dir: str | Path, exc: BaseException, failed_step: str | 
     steps = [r for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
     complete = [c for c in list_checkpoints(run) if is_complete(c)]
     last = f"{steps[-1]['step']}, loss {steps[-1]['loss']:.4f}" if steps else "none (no training step finished)"
+    error = f"{type(exc).__name__}: {exc}"
+    if len(error) > MAX_ERROR_CHARS:  # a failed launch quotes the ranks' output; the run's logs keep all of it
+        half = MAX_ERROR_CHARS // 2
+        error = f"{error[:half]}\n[… {len(error) - 2 * half} characters, in the run's logs …]\n{error[-half:]}"
     return "\n".join(
         [
             f"failed step: {failed_step or 'none (the flow failed outside its steps)'}",
             f"last step: {last}",
             f"newest complete checkpoint: {complete[-1] if complete else 'none'}",
             f"run directory: {run}",
-            f"error: {type(exc).__name__}: {exc}",
+            f"error: {error}",
         ]
     )
 
