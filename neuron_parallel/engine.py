@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from .batches import Batch
@@ -21,7 +22,8 @@ from .checkpoint.tensors import HFWeights
 from .config import JobConfig
 from .mesh import ParallelDims
 from .models.causal_lm import build_meta_model, causal_lm_loss, load_config, load_weights, materialize
-from .optim import all_reduce_grads, build_optimizer, clip_grad_norm
+from .optim import build_optimizer, clip_grad_norm
+from .parallel.data_parallel import GradReducer
 from .parallel.dtensor import full
 from .parallel.lora import add_lora, freeze_base, init_adapters, is_adapter
 from .parallel.pipeline import PipelineRunner, build_stages, stage_ids_for_rank, sum_tied_embedding_grads
@@ -40,6 +42,8 @@ class Engine:
     stage_ids: list[int]
     runner: PipelineRunner | None = None
     optimizer: object = field(init=False)
+    grad_reducer: GradReducer | None = field(init=False)
+    """Averages gradients over dp while backward runs (None when dp = 1)."""
 
     def __post_init__(self) -> None:
         zero_1 = self.job.parallel.zero_1 and self.dims.dp > 1
@@ -47,10 +51,14 @@ class Engine:
             self.named_parameters(),
             self.job.train,
             # One fused kernel for all parameters: about 3x faster than the per-tensor loop on
-            # CPU. Kept to plain tensors on devices with a fused AdamW kernel.
-            fused=self.dims.tp == 1 and self.device.type in ("cpu", "cuda"),
+            # CPU. Kept to plain tensors on devices with a fused AdamW kernel: no TP, or ZeRO-1,
+            # whose optimizer steps plain aliases of the local shards.
+            fused=(self.dims.tp == 1 or zero_1) and self.device.type in ("cpu", "cuda"),
             dp_group=self.dims.mesh["dp"].get_group() if zero_1 else None,
         )
+        self.grad_reducer = None
+        if self.dims.dp > 1:
+            self.grad_reducer = GradReducer(self.parameters(), self.dims.mesh["dp"].get_group(), self.dims.dp)
 
     @property
     def tied(self) -> bool:
@@ -99,10 +107,14 @@ class Engine:
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
-    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, scale: float, *, last: bool = True) -> torch.Tensor:
         """Run one micro-batch; gradients accumulate as those of ``loss × scale``. Returns the
         loss, the sum over its labelled tokens (the same value on every rank of the
-        model-parallel group)."""
+        model-parallel group). ``last``: the last micro-batch before :meth:`reduce_and_clip`,
+        whose backward starts the dp reduction of each gradient bucket as it completes (under
+        pipeline parallelism, at each stage's last microbatch)."""
+        if last and self.grad_reducer is not None:
+            self.grad_reducer.arm(self.runner.num_microbatches if self.runner is not None else 1)
         with self._compute():
             if self.runner is not None:
                 self.runner.loss_scale = scale
@@ -136,21 +148,36 @@ class Engine:
         return inputs, batch.labels, batch.positions if self.has_first else None
 
     def reduce_and_clip(self) -> torch.Tensor:
-        """Make gradients whole: align TP placements, sum tied embeddings across pipeline
-        stages, average over dp; then clip by the global norm and return it."""
+        """Make gradients whole: finish the dp average started during the last backward, align
+        TP placements, sum tied embeddings across pipeline stages; then clip by the global norm
+        and return it (a 0-d tensor: nothing here waits for the host). The dp average of local
+        shards commutes with the other two, both sums.
+
+        Collectives, whatever the number of parameters: the dp buckets' all-reduces (mostly
+        already done), one all-reduce per mesh dim of ``Partial`` grads (tp), the tied pair's
+        send/recv (pp), and the norm's scalar all-reduce over tp and over pp."""
         params = self.parameters()
         mesh = self.dims.mesh
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
         if self.dims.tp > 1:
             align_grad_placements(params)
         if self.tied and self.dims.pp > 1 and self.tied_trainable:
             sum_tied_embedding_grads(self.parts, mesh["pp"].get_group())
-        all_reduce_grads(params, mesh["dp"].get_group(), self.dims.dp)
-        # A tied weight split over two stages holds one gradient twice; count it once.
+        groups = [mesh[axis].get_group() for axis in ("tp", "pp") if getattr(self.dims, axis) > 1]
+        return clip_grad_norm(params, self.job.train.max_grad_norm, groups=groups, norm_params=self._norm_params())
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        """The parameters this rank counts in the global gradient norm: a tied weight split over
+        two stages holds one gradient twice and is counted once; a plain (replicated) tensor
+        under TP is counted on tp rank 0."""
         twice = self.tied and self.dims.pp > 1
-        counted = [p for n, p in self.named_parameters() if not (twice and n == "lm_head.weight")]
-        return clip_grad_norm(
-            params, self.job.train.max_grad_norm, pp_group=mesh["pp"].get_group(), norm_params=counted
-        )
+        tp_rank = self.dims.mesh["tp"].get_local_rank()
+        return [
+            p
+            for n, p in self.named_parameters()
+            if not (twice and n == "lm_head.weight") and (isinstance(p, DTensor) or tp_rank == 0)
+        ]
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -6,9 +6,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
-from .parallel.dtensor import full, local
+from .parallel.data_parallel import BUCKET_BYTES, GradReducer
+from .parallel.dtensor import local
 from .parallel.zero import Zero1Optimizer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -55,57 +57,53 @@ def build_optimizer(named_params: list, cfg: TrainConfig, *, fused: bool, dp_gro
     return cls(groups, **defaults)
 
 
-def _buckets(grads: list[torch.Tensor], cap: int):
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if bucket and (size + nbytes > cap or g.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter], group, world: int, bucket_bytes: int = 32 << 20) -> None:
-    """Average gradients over a data-parallel group, in flat buckets (one collective per bucket
-    rather than per tensor). Sum then divide: gloo has no AVG or PREMUL_SUM reduction."""
+def all_reduce_grads(params: list[torch.nn.Parameter], group, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average gradients over a data-parallel group now, in flat buckets (one collective per
+    bucket rather than per tensor). Sum then divide: gloo has no AVG or PREMUL_SUM reduction.
+    Training overlaps the same reduction with backward instead (:class:`GradReducer`)."""
     if world == 1:
         return
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    GradReducer(params, group, world, bucket_bytes=bucket_bytes, hooks=False).finish()
 
 
+def _counted_here(p: torch.Tensor) -> bool:
+    """Whether this rank counts ``p`` in a norm summed over its mesh: a shard always, a replicated
+    DTensor only on coordinate 0 of each mesh dim it is replicated over."""
+    if not isinstance(p, DTensor):
+        return True
+    assert not any(pl.is_partial() for pl in p.grad.placements), "align gradients before clipping"
+    coordinate = p.device_mesh.get_coordinate()
+    return all(c == 0 for c, pl in zip(coordinate, p.placements) if pl.is_replicate())
+
+
+@torch.no_grad()
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, *, pp_group=None, norm_params: list | None = None
+    params: list[torch.nn.Parameter], max_norm: float, *, groups=(), norm_params: list | None = None
 ) -> torch.Tensor:
-    """Clip by the true global norm: DTensor norms reduce over their tensor-parallel shards, and
-    the squared sums of the pipeline stages are added across ``pp_group``. ``norm_params`` (default
-    ``params``) are the ones counted, so a weight held twice is counted once. Returns the norm
-    before clipping; ``max_norm <= 0`` only measures."""
-    counted = params if norm_params is None else norm_params
-    sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
-    for p in counted:
-        if p.grad is None:
-            continue
-        n = full(torch.linalg.vector_norm(p.grad.float()))
-        sq += n.to(sq.device) ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sq, group=pp_group)
+    """Clip by the true global norm, as ``torch.nn.utils.clip_grad_norm_`` does and with no host
+    sync: ``grad × min(1, max_norm / (norm + 1e-6))``. The squared norms of this rank's local
+    shards (a DTensor replicated over a mesh dim counted on one coordinate of it) are summed in one
+    tensor, then all-reduced once over each process group of ``groups`` (tensor parallel, then
+    pipeline stages; None or single-rank groups are skipped); no collective per parameter.
+    ``norm_params`` (default ``params``) are the ones this rank counts, so a weight held twice is
+    counted once. Returns the norm before clipping (a 0-d tensor); ``max_norm <= 0`` only
+    measures."""
+    counted = [
+        local(p.grad)
+        for p in (params if norm_params is None else norm_params)
+        if p.grad is not None and _counted_here(p)
+    ]
+    device = params[0].device if params else torch.device("cpu")
+    if counted:
+        sq = torch.stack(torch._foreach_norm(counted, dtype=torch.float32)).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
-    total = norm.item()
-    if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    if max_norm > 0:
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype))
     return norm

@@ -46,6 +46,7 @@ from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, 
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
+from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes
 from .utils import write_line
 
 EVENT_PREFIX = "@@neuron-flows "
@@ -143,6 +144,8 @@ class Trainer:
     eval_state: EvalState = field(default_factory=EvalState)
     base_model: dict | None = None
     """Under LoRA, the frozen base's identity (``base_model_identity``), stored with every checkpoint."""
+    reporter: MetricsReporter = field(default_factory=lambda: MetricsReporter("", [], start_step=0))
+    """Where rank 0 sends each step's record besides metrics.jsonl (``train.report_to``)."""
 
     @property
     def dp_rank(self) -> int:
@@ -157,6 +160,7 @@ class Trainer:
         them), then wait for the last save. Returns the last step trained."""
         tc = self.job.train
         t_start = time.perf_counter()
+        eta = EtaClock(start_step, tc.max_steps)
         step = start_step
         while step < tc.max_steps and not self.eval_state.stopped_early:
             self.writer.check()  # a failed background save stops every rank here, within a step
@@ -166,11 +170,13 @@ class Trainer:
             if self.eval_rows is not None and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
                 record.update(self.evaluate(step))
             if dist.get_rank() == 0:
+                record["peak_memory_bytes"] = peak_memory_bytes(self.job.device)
                 with self.metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
+                self.reporter.log(record)
             last = step == tc.max_steps or self.eval_state.stopped_early
             if step % tc.log_every == 0 or last:
-                emit("step", max_steps=tc.max_steps, **record)
+                emit("step", max_steps=tc.max_steps, eta_s=round(0.0 if last else eta.eta_s(step), 1), **record)
             if (tc.save_every and step % tc.save_every == 0) or last:
                 self.checkpoint(step, record)
         with _phase(self.probe, "save"):
@@ -189,12 +195,16 @@ class Trainer:
         num_targets = self._dp_sum(float(sum(b.num_targets for b in batches)))
         scale = dp / max(num_targets, 1.0)
         loss_sum = torch.zeros((), device=self.engine.device)
-        for batch in batches:
-            loss_sum += self.engine.forward_backward(batch, scale)
+        for a, batch in enumerate(batches):
+            # The last micro-batch's backward starts the dp reduction, bucket by bucket.
+            loss_sum += self.engine.forward_backward(batch, scale, last=a == len(batches) - 1)
         grad_norm = self.engine.reduce_and_clip()
+        # The loss total travels during the optimizer step. Started only now, after every gradient
+        # bucket, so that each dp rank issues its collectives in the same order.
+        loss_total = dist.all_reduce(loss_sum, group=self.dims.mesh["dp"].get_group(), async_op=True)
         lr = lr_at(step, tc)
         self.engine.optimizer_step(lr)
-        dist.all_reduce(loss_sum, group=self.dims.mesh["dp"].get_group())
+        loss_total.wait()
         dt = time.perf_counter() - t0
         return {
             "step": step,
@@ -284,7 +294,8 @@ def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None =
     probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
     with probe or contextlib.nullcontext():
         trainer, start_step = _prepare(job, dims, run_dir, probe, list(after_checkpoint or ()))
-        last_step = trainer.run(start_step)
+        with trainer.reporter:
+            last_step = trainer.run(start_step)
     if probe:
         _report_memory(probe, job, run_dir)
     dist.barrier()
@@ -320,6 +331,7 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
         emit("warning", message=f"removed {run_dir / name}, the partial folder of a checkpoint save cut short")
     eval_rows = EvalRows(job.eval_dataset_path) if job.eval_dataset_path else None
     trainer = Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks, eval_rows, eval_state, base)
+    trainer.reporter = metrics_reporter(job, rank=dist.get_rank(), start_step=start_step)
     return trainer, start_step
 
 

@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ..models.causal_lm import CausalLMStage
 from ..planning.layout import check_tp
 from ..planning.memory import ModelShape
-from .dtensor import align_grad
+from .dtensor import align_grads
 from .lora import LoRAColwise, LoRALinear, LoRARowwise
 
 
@@ -59,12 +59,13 @@ def align_grad_placements(params) -> None:
     owed over tp: all-reduced here); a ``Replicate`` grad of a sharded weight is just sliced.
     DTensor ops would cope implicitly, but anything that works on local tensors (dp all-reduce,
     ZeRO, clipping via ``to_local``) would read wrong values. Call it once per optimizer step,
-    after the last micro-batch's backward and before any of those. A collective over tp: every
+    after the last micro-batch's backward and before clipping and the optimizer (the dp
+    average of local shards commutes with it, so it may come before or after). Collectives over
+    tp: one all-reduce per mesh dim for all ``Partial`` grads of a mesh together
+    (:func:`~neuron_parallel.parallel.dtensor.align_grads`), whatever the number of layers; every
     tp rank must call it with the same parameters in the same order.
     """
-    with torch.no_grad():
-        for p in params:
-            align_grad(p)
+    align_grads(params)
 
 
 def apply_tensor_parallel(
@@ -262,7 +263,12 @@ class _KVReplicaLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
-        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        if tuple(x.placements) != (Replicate(),):
+            x = x.redistribute(placements=[Replicate()])
+        # No redistribute when x is already replicated: its backward would all-reduce the Partial
+        # input gradient here, for k and for v, instead of once with q_proj's in the reduction of
+        # the block's input (a reduce-scatter under SP).
+        x = x.to_local(grad_placements=[Partial()])
         grads = [Shard(0), Partial()]
         weight = self.weight.to_local(grad_placements=grads)
         bias = self.bias.to_local(grad_placements=grads) if self.bias is not None else None

@@ -9,14 +9,24 @@ re-point ``.data`` and break the alias). That choice composes with TP (each tp r
 ZeRO over the shards it holds) and PP (each stage's parameters), unlike FSDP2, which would also
 shard parameters and gradients (ZeRO-3) and so change the memory model the planner predicts.
 
-Collectives: none in forward/backward; ``step`` broadcasts each updated parameter from its owner
-to the dp group. Gradients must already be averaged over dp (and aligned to their parameter's
-placement under TP) when ``step`` is called.
+Collectives: none in forward/backward; ``step`` broadcasts the updated parameters of each dp
+rank from that rank, as one flat buffer per rank (and dtype): dp broadcasts carrying every
+parameter once, whatever the number of parameters. ``ZeroRedundancyOptimizer.step`` itself
+would broadcast every parameter on its own, and its bucketed mode
+(``parameters_as_bucket_view``) re-points the parameters into its buckets, breaking the alias.
+Gradients must already be averaged over dp (and aligned to their parameter's placement under
+TP) when ``step`` is called: one all-reduce of the gradient bytes, overlapped with backward
+(:class:`~neuron_parallel.parallel.data_parallel.GradReducer`). A reduce-scatter to the owners
+would move half the bytes on the wire, but the owners here hold whole parameters placed greedily
+by size (the planner's memory model replays that placement), scattered through the model, so
+one owner's gradients are neither contiguous nor ready together: per-owner buckets could only
+start once backward is over.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -48,7 +58,33 @@ class Zero1Optimizer:
     def step(self) -> None:
         for _, p, a in self.alias:
             a.grad = None if p.grad is None else local(p.grad)
-        self.inner.step()
+        self.inner._local_step()  # ZeroRedundancyOptimizer.step() less its per-parameter broadcasts
+        self._broadcast_updated()
+
+    @torch.no_grad()
+    def _broadcast_updated(self) -> None:
+        """Every dp rank's updated parameters to the others: per owner rank and dtype, one flat
+        broadcast; the receivers copy the values into their aliases (the model's storage)."""
+        inner = self.inner
+        group, me = inner.process_group, inner.rank
+        pending = []
+        for rank, groups in enumerate(inner._partition_parameters()):
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in groups:
+                for a in g["params"]:
+                    by_dtype.setdefault(a.dtype, []).append(a)
+            for dtype, owned in by_dtype.items():
+                sizes = [a.numel() for a in owned]
+                if rank == me:
+                    flat = torch.cat([a.detach().reshape(-1) for a in owned])
+                else:
+                    flat = torch.empty(sum(sizes), dtype=dtype, device=owned[0].device)
+                src = dist.get_global_rank(group, rank)
+                pending.append((dist.broadcast(flat, src=src, group=group, async_op=True), flat, owned, sizes, rank))
+        for work, flat, owned, sizes, rank in pending:
+            work.wait()
+            if rank != me:
+                torch._foreach_copy_(owned, [v.view_as(a) for v, a in zip(flat.split(sizes), owned)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, p, a in self.alias:
