@@ -398,19 +398,9 @@ class RunningServer:
         )
 
     def wait(self, timeout: float = 180) -> None:
-        import urllib.request
+        from neuron_flows.flows.serve import wait_healthy
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server start exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise TimeoutError(f"the Prefect server at {self.url} did not answer within {timeout:.0f} s")
+        wait_healthy(self.url, self.proc, timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

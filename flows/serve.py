@@ -152,7 +152,8 @@ async def _register_all() -> list[str]:
     return names
 
 
-def _wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Wait until the Prefect server ``proc`` answers ``{api}/health``; raise if it exits first or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -327,7 +328,7 @@ def _supervise(children: list[_Child], api: str, serve_id: str) -> int:
                 return 1
             if child.name == "server":
                 try:
-                    _wait_healthy(api, child.proc)
+                    wait_healthy(api, child.proc)
                 except RuntimeError as err:
                     print(f"warning: {err}", file=sys.stderr, flush=True)
                     continue
@@ -379,7 +380,7 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     try:
         server_cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)]
         children.append(_Child("server", server_cmd, env))
-        _wait_healthy(api, children[0].proc)
+        wait_healthy(api, children[0].proc)
         names = asyncio.run(_register_all())
         if worker:
             _mark_lost_runs()  # runs a worker of an earlier serve left Running when it was killed
