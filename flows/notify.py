@@ -65,31 +65,6 @@ def failure_message(run_dir: str | Path, exc: BaseException, failed_step: str | 
     )
 
 
-def _failed_task(flow_run_id: str) -> str | None:
-    """The task of the flow run's newest Failed or Crashed task run (``train`` of ``train-1a2``)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            task_run_filter=TaskRunFilter(
-                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))
-            ),
-            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
-            limit=1,
-        )
-    return runs[0].name.rsplit("-", 1)[0] if runs else None
-
-
 def failed_state(run_dir: str | Path, exc: Exception):
     """What a fine-tuning flow returns when a step raised ``exc``: a Failed state with
     :func:`failure_message` as its message and ``exc`` as its data. Prefect ends the flow run in
@@ -98,12 +73,10 @@ def failed_state(run_dir: str | Path, exc: Exception):
     from prefect.runtime import flow_run
     from prefect.states import Failed
 
+    from neuron_flows.tasks.common import failed_step
+
     get_run_logger().error("Encountered exception during execution:", exc_info=exc)
-    try:
-        step = _failed_task(flow_run.get_id()) if flow_run.get_id() else None
-    except Exception as err:  # the report must not hide the failure it reports
-        step = f"unknown (the task runs could not be read: {err})"
-    return Failed(message=failure_message(run_dir, exc, step), data=exc)
+    return Failed(message=failure_message(run_dir, exc, failed_step(flow_run.get_id())), data=exc)
 
 
 def _webhook_block(url: str):

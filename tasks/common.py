@@ -11,6 +11,21 @@ def _retry_unless_bad_input(task, task_run, state) -> bool:
     return not isinstance(state.data, ValueError)
 
 
+_FAILED_STEP: dict[str, str] = {}
+
+
+def remember_failed_step(task, task_run, state) -> None:
+    """An ``on_failure`` hook: note, in this process, which step of the flow run failed for good
+    (after its retries). The flow's failure report reads it with :func:`failed_step`; the server's
+    copy of the task run's state is written from events and may not have arrived yet."""
+    _FAILED_STEP[str(task_run.flow_run_id)] = task.name
+
+
+def failed_step(flow_run_id: str) -> str | None:
+    """The step of ``flow_run_id`` that failed last in this process, if any."""
+    return _FAILED_STEP.pop(str(flow_run_id), None)
+
+
 # DEFAULT = task inputs + task source + flow run id: a retried flow run reuses finished steps,
 # a new run with the same parameters computes them anew (INPUTS alone would skip training).
 STEP_POLICY = dict(
@@ -19,6 +34,7 @@ STEP_POLICY = dict(
     retries=1,
     retry_delay_seconds=5,
     retry_condition_fn=_retry_unless_bad_input,
+    on_failure=[remember_failed_step],
 )
 
 
