@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# The project's own bytecode: an editable install leaves it to the first import, and where
+	# PYTHONDONTWRITEBYTECODE is set every process (each rank of each run) would compile it anew.
+	$(BIN)/python -m compileall -q neuron_parallel tasks flows
 	touch $(STAMP)
 
 $(TINY)/model/config.json: | $(STAMP)

@@ -302,7 +302,7 @@ def measure(work: Path) -> dict:
     """Every figure of the report, from the runs' files."""
     from neuron_parallel.planning.hardware import get_hardware
     from neuron_parallel.planning.model import ModelShape
-    from neuron_parallel.train import read_metrics
+    from neuron_parallel.reporting import read_metrics
 
     facts = json.loads((work / "facts.json").read_text())
     s = facts["settings"]

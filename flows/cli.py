@@ -16,6 +16,7 @@ neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -41,23 +42,34 @@ def _preflight(config, *, check_upload: bool = False):
 def cmd_run(args) -> int:
     config = _config(args)
     _temporary_server_settings(whole_process=args.whole_process)
-    # The command starts Prefect's temporary server at once, so that it starts while the preflight
-    # runs here; called from Python (``main(argv)``), Prefect starts it at the flow's first API call.
-    temporary = _uses_temporary_server()
-    ahead = TemporaryServer() if temporary and args.whole_process else None
+    # The command starts the temporary server and torchrun's ranks at once, before Prefect is
+    # imported, so that they start while this process imports the flow, runs the preflight,
+    # tokenizes and plans; the train step hands the ranks their job. Called from Python
+    # (``main(argv)``), Prefect starts its own server at the flow's first API call.
+    from neuron_parallel.launch import start_ready_ranks
+
+    ahead = TemporaryServer() if args.whole_process and not os.environ.get("PREFECT_API_URL") else None
+    ready = start_ready_ranks(config.to_launch()) if args.whole_process else None
     try:
+        temporary = _uses_temporary_server()
+        if ahead is not None and not temporary:  # a profile names a server, or temporary servers are off
+            ahead.stop()
+            ahead = None
         _preflight(config, check_upload=True)
         from neuron_flows.flows.finetune import finetune
 
-        if ahead is not None:
-            ahead.wait()
-        try:
-            result = finetune(config)
-        finally:
-            _send_logs_and_events()
-            if temporary and ahead is None:
-                _stop_prefects_server()
+        with ahead.settings() if ahead is not None else contextlib.nullcontext():
+            if ahead is not None:
+                ahead.wait()
+            try:
+                result = finetune(config)
+            finally:
+                _send_logs_and_events()
+                if temporary and ahead is None:
+                    _stop_prefects_server()
     finally:
+        if ready is not None:
+            ready.close()  # still waiting if the run ended before its train step
         if ahead is not None:
             ahead.stop()
     print(f"run: {result['run_dir']}")
@@ -91,47 +103,74 @@ def _temporary_server_settings(*, whole_process: bool) -> None:
 
 
 class TemporaryServer:
-    """Prefect's temporary local server, for a run where no PREFECT_API_URL names a server,
-    started in a thread as soon as the config has loaded, so that its process starts while this
-    one runs the preflight. The flow finds it running, as if Prefect had started it on the flow's
-    first call to the API."""
+    """Prefect's temporary local server, for a run where no PREFECT_API_URL names a server: the
+    process Prefect's ``SubprocessASGIServer`` starts (uvicorn serving the API of
+    ``prefect.server.api.server:create_app`` on a free local port, no UI, the same database),
+    started by the command before it imports Prefect, and named to the flow by
+    :meth:`settings`. Started here rather than through ``SubprocessASGIServer`` because importing
+    that class loads the whole server package into the command (~3 CPU-s on a 2-core machine, on
+    the way to the first training step); the server's own process loads it anyway."""
 
     def __init__(self) -> None:
-        import threading
+        import socket
+        import subprocess
 
-        from prefect.logging.configuration import ensure_logging_setup
-        from prefect.server.api.server import SubprocessASGIServer
+        from neuron_parallel.launch import die_with_parent
 
-        ensure_logging_setup()  # Prefect's console log says the server is starting, and where
-        self.server = SubprocessASGIServer()  # the instance the flow's client will find
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._start, name="prefect-temporary-server", daemon=True)
-        self.thread.start()
-
-    def _start(self) -> None:
-        try:
-            self.server.start()  # returns once the server answers its health check
-        except BaseException as e:  # raised in the caller by wait()
-            self.error = e
+        with socket.socket() as s:  # a free port: the kernel's pick
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.api_url = f"http://127.0.0.1:{port}/api"
+        print(f"Starting temporary server on http://127.0.0.1:{port} (no PREFECT_API_URL is set)", flush=True)
+        cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
     def wait(self) -> None:
-        """Block until the server answers; raise what its start raised."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+        """Block until the server answers its health check; raise if it exits first or takes
+        longer than PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS."""
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        from neuron_flows.flows.serve import wait_healthy
+
+        wait_healthy(self.api_url, self.proc, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), poll_s=0.05)
+
+    @contextlib.contextmanager
+    def settings(self):
+        """The context in which Prefect's clients use this server. Without flow-run heartbeats:
+        they let a lasting server mark a run whose process died as Crashed, while this server ends
+        with this process; and their thread, which sleeps in 1 s slices, holds up the end of the
+        flow by up to a second. Without the link to the run's page, which this server (no UI,
+        like Prefect's own temporary server) does not serve."""
+        import logging
+
+        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+        no_link = _DropRecords("View at ")
+        logging.getLogger("prefect.flow_runs").addFilter(no_link)
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                yield
+        finally:
+            logging.getLogger("prefect.flow_runs").removeFilter(no_link)
 
     def stop(self) -> None:
         """Stop the server now, rather than at interpreter exit, so that the run's summary lines
         are the last thing printed; also while it is still starting (a refused preflight)."""
-        import time
+        from neuron_parallel.launch import kill_tree
 
-        # start() spawns the server's process at once, then waits for its health check: wait for
-        # the spawn, so that no process starts after this stop.
-        deadline = time.monotonic() + 10.0
-        while self.thread.is_alive() and self.server.server_process is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.server.stop()
-        self.thread.join(timeout=5.0)
+        kill_tree(self.proc, grace_s=5.0)
+
+
+class _DropRecords:
+    """A logging filter that drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def _uses_temporary_server() -> bool:
@@ -172,7 +211,7 @@ def cmd_train(args) -> int:
     from neuron_parallel.audit import audit_summary
     from neuron_parallel.data import tokenize_data
     from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
-    from neuron_parallel.models.causal_lm import resolve_model_dir
+    from neuron_parallel.models import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
     ds = tokenize_data(config.library("data"), model_dir)

@@ -43,7 +43,7 @@ def failure_message(run_dir: str | Path, exc: BaseException, failed_step: str | 
     """The state message of a failed run: failed step, last training step and loss, newest
     complete checkpoint (read from ``run_dir``), and the error."""
     from neuron_parallel.checkpoint import is_complete, list_checkpoints
-    from neuron_parallel.train import read_metrics
+    from neuron_parallel.reporting import read_metrics
 
     run = Path(run_dir).resolve()
     metrics = run / "metrics.jsonl"

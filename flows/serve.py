@@ -152,7 +152,7 @@ async def _register_all() -> list[str]:
     return names
 
 
-def wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240, poll_s: float = 0.5) -> None:
     """Wait until the Prefect server ``proc`` answers ``{api}/health``; raise if it exits first or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -164,7 +164,7 @@ def wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240) -> None
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"the Prefect server did not answer at {api}/health within {timeout:.0f} s")
 
 

@@ -4,8 +4,14 @@ torchrun runs in its own process group (session), so cancelling the caller, a Ct
 exception ends every rank: the group is signalled in a ``finally``, SIGTERM first, SIGKILL after
 a grace period. If the caller dies without running its ``finally`` (SIGKILL, or a signal whose
 default action ends it), the kernel sends torchrun SIGTERM (``die_with_parent``) and torchrun
-ends its ranks. Structured lines from rank 0 (``train.EVENT_PREFIX``) become events for the
+ends its ranks. Structured lines from rank 0 (``EVENT_PREFIX``) become events for the
 caller; everything else is passed through as log lines.
+
+A command that spends seconds before its job is known (the flow's server start, tokenization,
+planning) can start torchrun at once with :func:`start_ready_ranks`: each rank imports torch,
+transformers and the trainer (most of a rank's start on a small model) and then waits for the
+job file; the next :func:`run_torchrun` with the same launch settings hands the job to those ranks
+instead of starting new ones.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -25,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import JobConfig, LaunchConfig
-from .train import EVENT_PREFIX
 from .utils import write_line
+
+EVENT_PREFIX = "@@neuron-flows "
+"""What starts a progress event's line in a rank's output: one JSON object follows (``neuron_parallel.train``)."""
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
@@ -83,8 +93,13 @@ def _event(line: str) -> dict | None:
     return event if event is not None and "event" in event else None
 
 
-def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
-    """The torchrun command line: standalone on one node, c10d rendezvous across several."""
+AWAIT_JOB = "--await-job"
+"""The rank's option that makes it wait for its job file to appear (:class:`ReadyRanks`)."""
+
+
+def torchrun_command(job_path: str | Path, launch: LaunchConfig, *, await_job: bool = False) -> list[str]:
+    """The torchrun command line: standalone on one node, c10d rendezvous across several.
+    ``await_job``: the ranks wait for ``job_path`` to be written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}"]
     if launch.nnodes == 1:
         cmd.append("--standalone")
@@ -95,7 +110,7 @@ def torchrun_command(job_path: str | Path, launch: LaunchConfig) -> list[str]:
             f"--rdzv_endpoint={launch.rdzv_endpoint}",
             f"--rdzv_id={launch.rdzv_id}",
         ]
-    return cmd + ["-m", "neuron_parallel.train", str(job_path)]
+    return cmd + ["-m", "neuron_parallel.train", *([AWAIT_JOB] if await_job else []), str(job_path)]
 
 
 def process_tree(pid: int) -> list[int]:
@@ -162,7 +177,9 @@ def run_torchrun(
     env: dict[str, str] | None = None,
 ) -> TrainResult:
     """Write ``job.json`` into the run directory, run torchrun to completion and return what
-    the run reports. Raises ``TrainingFailed`` on a non-zero exit."""
+    the run reports. Raises ``TrainingFailed`` on a non-zero exit. Ranks that
+    :func:`start_ready_ranks` started with the same ``launch`` and ``env`` get the job, if they
+    are still waiting for one; otherwise torchrun starts here."""
     run_dir = Path(job.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / "job.json"
@@ -171,19 +188,10 @@ def run_torchrun(
     tmp = job_path.with_name(f"job.json.tmp-{os.getpid()}")
     tmp.write_text(job.to_json())
     tmp.replace(job_path)
-    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(launch.omp_num_threads), "PYTHONUNBUFFERED": "1"}
-    cmd = torchrun_command(job_path, launch)
     tail: deque[str] = deque(maxlen=40)
     state = {"final_step": 0, "resumed_from_step": 0, "last_metrics": {}}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env,
-        start_new_session=True,
-        preexec_fn=die_with_parent(os.getpid()),
-    )
+    ready = _take_ready_ranks(launch, env)
+    proc = ready.give(job) if ready is not None else _start_torchrun(torchrun_command(job_path, launch), launch, env)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -210,9 +218,81 @@ def run_torchrun(
         code = proc.wait()
     finally:
         kill_tree(proc)
+        if ready is not None:
+            ready.close()
     if code != 0:
         raise TrainingFailed(f"torchrun exited with code {code}; last output:\n" + "\n".join(tail))
     return TrainResult(run_dir=str(run_dir), **state)
+
+
+def _start_torchrun(cmd: list[str], launch: LaunchConfig, env: dict[str, str] | None) -> subprocess.Popen:
+    """torchrun in a session of its own, its output (ranks' included) merged on one pipe."""
+    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(launch.omp_num_threads), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()),
+    )
+
+
+class ReadyRanks:
+    """torchrun and its ranks, started before their job is known; each rank waits for the job
+    file once it has imported what it needs (``neuron_parallel.train --await-job``). Single node
+    only: a multi-node rendezvous waits for the other nodes anyway."""
+
+    def __init__(self, launch: LaunchConfig, env: dict[str, str] | None = None) -> None:
+        self.launch, self.env = launch, env
+        self.dir = Path(tempfile.mkdtemp(prefix="neuron-flows-ranks-"))
+        self.job_path = self.dir / "job.json"
+        self.proc = _start_torchrun(torchrun_command(self.job_path, launch, await_job=True), launch, env)
+
+    def give(self, job: JobConfig) -> subprocess.Popen:
+        """Hand ``job`` to the waiting ranks (written atomically: a rank never reads half a file);
+        returns torchrun's process, whose output holds everything the ranks printed so far."""
+        tmp = self.job_path.with_name("job.json.tmp")
+        tmp.write_text(job.to_json())
+        tmp.replace(self.job_path)
+        return self.proc
+
+    def close(self) -> None:
+        """End torchrun and the ranks if they still run, and remove the job file."""
+        global _ready
+        if _ready is self:
+            _ready = None
+        kill_tree(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ready: ReadyRanks | None = None
+
+
+def start_ready_ranks(launch: LaunchConfig, env: dict[str, str] | None = None) -> ReadyRanks | None:
+    """Start torchrun and its ranks for the next :func:`run_torchrun` of this process with the
+    same ``launch`` and ``env`` (None for a multi-node launch). The caller ends them with
+    :meth:`ReadyRanks.close` if no job comes (``run_torchrun`` closes those it used)."""
+    global _ready
+    if launch.nnodes != 1:
+        return None
+    if _ready is not None:
+        _ready.close()
+    _ready = ReadyRanks(launch, env)
+    return _ready
+
+
+def _take_ready_ranks(launch: LaunchConfig, env: dict[str, str] | None) -> ReadyRanks | None:
+    """The ready ranks for this launch, if they are still waiting (each set serves one job)."""
+    global _ready
+    ready, _ready = _ready, None
+    if ready is None:
+        return None
+    if ready.launch == launch and ready.env == env and ready.proc.poll() is None:
+        return ready
+    ready.close()  # started for other settings, or ended while waiting: a fresh start reports why
+    return None
 
 
 LAUNCH_FILE_ENV = "NEURON_FLOWS_LAUNCH_FILE"

@@ -30,26 +30,25 @@ from .batches import BlockStream, EvalRows
 from .checkpoint import CheckpointTensors, CheckpointWriter
 from .checkpoint.engine_state import (
     adapter_meta,
-    base_model_identity,
     check_base_model,
     load_engine_state,
     model_tensors,
     optim_tensors,
 )
-from .checkpoint.format import TRAINER_STATE
+from .checkpoint.format import TRAINER_STATE, base_model_identity
 from .checkpoint.resume import find_resume_checkpoint
 from .checkpoint.save import CheckpointSaveFailed
 from .config import JobConfig
 from .engine import Engine, build_engine
+from .launch import AWAIT_JOB, EVENT_PREFIX
 from .memprof import RankMemoryProbe
 from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, local_device
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
-from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes
+from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes, read_metrics
 from .utils import write_line
 
-EVENT_PREFIX = "@@neuron-flows "
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
 """Failure injection for tests: every rank exits with status 3 right after the checkpoint of this
 step is complete (see :func:`fail_after_checkpoint`)."""
@@ -367,20 +366,6 @@ def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe, base: dict | N
     return step, EvalState(**saved)
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``, skipping a line that is not a whole record (the torn
-    tail of a write cut short by a crash, power loss or a full disk)."""
-    records = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-    return records
-
-
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines past the resumed step (and any torn line), so metrics.jsonl reads as one
     uninterrupted run; rewritten through a temporary file renamed into place."""
@@ -414,8 +399,11 @@ def _report_memory(probe: RankMemoryProbe, job: JobConfig, run_dir: Path) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == AWAIT_JOB:
+        argv = argv[1:]
+        _await_job(Path(argv[0]))
     if len(argv) != 1:
-        raise SystemExit("usage: python -m neuron_parallel.train RUN_DIR/job.json")
+        raise SystemExit(f"usage: python -m neuron_parallel.train [{AWAIT_JOB}] RUN_DIR/job.json")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = JobConfig.load(argv[0])
     try:
@@ -429,6 +417,16 @@ def main(argv: list[str] | None = None) -> None:
             os.write(sys.stderr.fileno(), (why + "\n").encode())  # one write: the launcher shows the last lines
         exit_rank(1)
     exit_rank(0)
+
+
+def _await_job(path: Path, poll_s: float = 0.02) -> None:
+    """Wait, everything imported, until the launcher writes the job file (``ReadyRanks``); end
+    quietly if torchrun, this rank's parent, is gone first."""
+    parent = os.getppid()
+    while not path.exists():
+        if os.getppid() != parent:
+            exit_rank(0)
+        time.sleep(poll_s)
 
 
 def _why_stopped(error: Exception, job: JobConfig) -> str | None:

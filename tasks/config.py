@@ -375,7 +375,7 @@ def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upl
     flow as its first step. A Hub model is checked by the plan step once fetched. Raises
     ``ValueError`` naming the key and the fix."""
     from neuron_parallel.data import local_data_files
-    from neuron_parallel.models.causal_lm import resolve_model_dir
+    from neuron_parallel.models import resolve_model_dir
     from neuron_parallel.preflight import check_device, check_hub, check_model_dir
     from neuron_parallel.utils import names_local_path
 

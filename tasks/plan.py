@@ -4,7 +4,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from neuron_parallel.data import TokenizedDataset
-from neuron_parallel.models.causal_lm import resolve_model_dir
+from neuron_parallel.models import resolve_model_dir
 from neuron_parallel.planning.layout import CheckedLayout
 
 from .common import STEP_POLICY

@@ -11,8 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from neuron_parallel.hub import HubCommit
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout
-from neuron_parallel.reporting import MLFLOW_RUN_FILE, TENSORBOARD_DIR, tag_mlflow_run
-from neuron_parallel.train import read_metrics
+from neuron_parallel.reporting import MLFLOW_RUN_FILE, TENSORBOARD_DIR, read_metrics, tag_mlflow_run
 
 from .common import STEP_POLICY
 

@@ -5,7 +5,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from neuron_parallel.audit import audit_markdown, audit_summary, audit_table
 from neuron_parallel.data import TokenizedDataset, tokenize_data
-from neuron_parallel.models.causal_lm import resolve_model_dir
+from neuron_parallel.models import resolve_model_dir
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig

@@ -7,7 +7,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from neuron_parallel.data import TokenizedDataset
 from neuron_parallel.launch import LAUNCH_FILE_ENV, TrainResult, publish_launch, run_torchrun
-from neuron_parallel.models.causal_lm import resolve_model_dir
+from neuron_parallel.models import resolve_model_dir
 from neuron_parallel.planning.layout import CheckedLayout
 from neuron_parallel.reporting import format_duration
 

@@ -11,7 +11,7 @@ from neuron_parallel.data import AUDIT_FILE
 from neuron_parallel.hub import HubCommit, base_model_license, card_data_table, upload_model, write_model_card
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout
-from neuron_parallel.train import read_metrics
+from neuron_parallel.reporting import read_metrics
 
 from .common import STEP_POLICY
 from .config import FinetuneConfig

@@ -29,8 +29,7 @@ import torch
 
 from ..utils import atomic_write, fsync_path
 from .consolidate import write_hf_dir, write_safetensors
-from .engine_state import base_model_identity
-from .format import HF_FILES, MANIFEST, Manifest, confined, resolve_checkpoint
+from .format import HF_FILES, MANIFEST, Manifest, base_model_identity, confined, resolve_checkpoint
 from .output import claim_output_dir, is_ours
 from .tensors import CheckpointTensors, HFWeights, dtype_from_name
 from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint, verify_checksums

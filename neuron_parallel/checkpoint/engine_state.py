@@ -15,8 +15,6 @@ Loading reads, on every rank, exactly the slices it now holds, whatever layout w
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 import torch
 
@@ -24,7 +22,6 @@ from ..models.causal_lm import load_weights
 from ..optim import STATE_KEYS
 from ..parallel.dtensor import local_view
 from ..parallel.zero import Zero1Optimizer
-from ..utils import sha256_file
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -61,15 +58,6 @@ def optim_tensors(engine, dp_rank: int) -> dict[str, torch.Tensor]:
             if key in STATE_KEYS
         }
     return {k: v for k, v in state.items() if _stored(engine, k)}
-
-
-def base_model_identity(model_path: str | Path) -> dict:
-    """What a LoRA checkpoint records of its frozen base: the model's path or name and a digest
-    of its weight files' contents (checked when the run resumes)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        h.update(f.name.encode() + sha256_file(f).encode())
-    return {"name_or_path": str(model_path), "sha256": h.hexdigest()}
 
 
 def adapter_meta(engine, base: dict) -> dict | None:

@@ -21,12 +21,15 @@ read. The data itself is plain safetensors, loadable by any tool.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
+
+from ..utils import sha256_file
 
 FORMAT_NAME = "neuron-flows-checkpoint"
 FORMAT_VERSION = 1
@@ -187,3 +190,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not complete:
         raise ValueError(f"{p} holds no complete checkpoint-<step> folder (with {MANIFEST} and {COMPLETE})")
     return complete[-1]
+
+
+def base_model_identity(model_path: str | Path) -> dict:
+    """What a LoRA checkpoint records of its frozen base: the model's path or name and a digest
+    of its weight files' contents (checked when the run resumes)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return {"name_or_path": str(model_path), "sha256": h.hexdigest()}

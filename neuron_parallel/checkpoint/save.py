@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..parallel.dtensor import local_view
 from ..utils import atomic_write, fsync_path, sha256_file
 from .format import (
     COMPLETE,
@@ -48,7 +49,7 @@ from .format import (
     model_file,
     optim_file,
 )
-from .tensors import dtype_name, local_view
+from .tensors import dtype_name
 
 __all__ = ["CheckpointSaveFailed", "CheckpointWriter", "sha256_file"]
 

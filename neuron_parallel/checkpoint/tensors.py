@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from ..parallel.dtensor import local_view
 from .format import MANIFEST, Manifest, Piece, confined
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "dtype_from_name",
     "dtype_from_safetensors",
     "dtype_name",
-    "local_view",
     "safetensors_dtype",
 ]
 

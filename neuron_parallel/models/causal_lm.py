@@ -17,29 +17,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.dtensor import local, local_view
-from ..utils import names_local_path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def resolve_model_dir(name_or_path: str, revision: str | None = None) -> str:
-    """A local directory for the model: the path itself, or a Hub snapshot of the files
-    training needs (config, safetensors weights, tokenizer), fetched once into the HF cache."""
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ValueError(
-                f"model.name_or_path {local} has no config.json; point it at a Hugging Face model directory"
-            )
-        return str(local)
-    if names_local_path(name_or_path):
-        raise ValueError(
-            f"model.name_or_path {name_or_path} does not exist; for a new tiny model run `neuron-flows make-tiny DIR`"
-        )
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-    return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
 
 
 def load_config(model_dir: str | Path):

@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from neuron_parallel.checkpoint.save import _owns
-from neuron_parallel.checkpoint.tensors import HFWeights, local_view
+from neuron_parallel.checkpoint.tensors import HFWeights
+from neuron_parallel.parallel.dtensor import local_view
 from neuron_parallel.launch import print_rank_result
 from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, causal_lm_loss, load_weights, materialize

@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from neuron_flows.flows.notify import AUTOMATION_NAME, WEBHOOK_ENV
-from neuron_parallel.train import FAIL_AFTER_ENV, read_metrics
+from neuron_parallel.reporting import read_metrics
+from neuron_parallel.train import FAIL_AFTER_ENV
 
 from .service_helpers import run_dir, small
 

@@ -1,6 +1,7 @@
 """Ending the command ends the job: `neuron-flows train` and `neuron-flows run` terminated by
 SIGTERM, SIGINT or SIGHUP while two ranks train, with their output going to a pipe, leave no
-process behind for more than a few seconds.
+process behind for more than a few seconds; so does `run` ended while it starts, its temporary
+server starting and its ranks, started ahead, waiting for their job.
 
 Each case prints one ``FAULT`` line: seconds from the signal to the last process of the tree
 gone, and how many were left after that bound."""
@@ -37,12 +38,28 @@ def _ranks(tree: list[int]) -> list[int]:
     return found
 
 
+def _training(run_dir: Path, tree: list[int]) -> bool:
+    """Mid-training: the first step's record is on disk."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and bool(metrics.read_text().strip())
+
+
+def _starting(run_dir: Path, tree: list[int]) -> bool:
+    """Before the train step: both ranks run (importing, or waiting for their job), none trains."""
+    return len(_ranks(tree)) == 2 and not (run_dir / "job.json").exists()
+
+
 @pytest.mark.parametrize(
-    ("command", "signum"),
-    [("train", signal.SIGTERM), ("train", signal.SIGHUP), ("run", signal.SIGINT)],
-    ids=["train-SIGTERM", "train-SIGHUP", "run-SIGINT"],
+    ("command", "signum", "when"),
+    [
+        ("train", signal.SIGTERM, _training),
+        ("train", signal.SIGHUP, _training),
+        ("run", signal.SIGINT, _training),
+        ("run", signal.SIGTERM, _starting),
+    ],
+    ids=["train-SIGTERM", "train-SIGHUP", "run-SIGINT", "run-SIGTERM-starting"],
 )
-def test_ending_the_command_ends_every_rank(tiny_world, tmp_path, command, signum):
+def test_ending_the_command_ends_every_rank(tiny_world, tmp_path, command, signum, when):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "neuron_flows.flows.cli", command, str(ROOT / "configs/tiny-llama-cpu.yaml")]
     for kv in (
@@ -62,11 +79,10 @@ def test_ending_the_command_ends_every_rank(tiny_world, tmp_path, command, signu
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 240
-        # Mid-training: both ranks exist and the first step's record is on disk.
-        while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
+        while not when(run_dir, tree := process_tree(proc.pid)):
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, f"the command never reached {when.__name__}"
+            time.sleep(0.1)
         tree = process_tree(proc.pid)
         assert len(_ranks(tree)) == 2, tree
         t0 = time.monotonic()
@@ -80,8 +96,8 @@ def test_ending_the_command_ends_every_rank(tiny_world, tmp_path, command, signu
         for pid in process_tree(proc.pid) if proc.poll() is None else []:
             os.kill(pid, signal.SIGKILL)
     print(
-        f"FAULT 9 {command} {signal.Signals(signum).name}: job ended {seconds:.1f} s after the signal, "
-        f"{len(left)} orphan processes, exit code {proc.returncode}"
+        f"FAULT 9 {command} {signal.Signals(signum).name} {when.__name__.strip('_')}: "
+        f"job ended {seconds:.1f} s after the signal, {len(left)} orphan processes, exit code {proc.returncode}"
     )
     assert not left, f"processes outlived the command: {left}"
     assert proc.returncode == 128 + signum, output[-3000:]

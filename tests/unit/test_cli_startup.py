@@ -31,3 +31,21 @@ def test_help_and_a_refused_config_import_nothing_heavy():
     assert "usage: neuron-flows" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "probe 2 -", proc.stdout[-2000:] + proc.stderr
     assert proc.stderr.startswith("error: invalid config: world size 2"), proc.stderr
+
+
+FLOW_PROBE = """
+import sys
+import neuron_flows.flows.cli, neuron_flows.flows.finetune
+heavy = ("torch.distributed.tensor", "torch.distributed.pipelining", "torch._dynamo", "transformers")
+heavy += ("prefect.server.api",)
+print("probe", ",".join(sorted(m for m in heavy if m in sys.modules)) or "-")
+"""
+
+
+def test_the_flow_imports_neither_the_trainer_nor_the_server():
+    """What `neuron-flows run` imports to run the flow: the training code (DTensor, pipelining,
+    transformers' models) belongs to the ranks and the server code to the server's process; each
+    costs seconds of CPU while the server and the ranks start on the same cores."""
+    proc = subprocess.run([sys.executable, "-c", FLOW_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "probe -", proc.stdout[-2000:]

@@ -5,7 +5,8 @@ is read by a real launch in tests/dist/test_rank_lines.py)."""
 import json
 
 from neuron_parallel.launch import EVENT_PREFIX, _event
-from neuron_parallel.train import _truncate_metrics, read_metrics
+from neuron_parallel.reporting import read_metrics
+from neuron_parallel.train import _truncate_metrics
 
 
 def test_a_torn_last_metrics_line_is_skipped_and_dropped_on_resume(tmp_path):
