@@ -9,12 +9,12 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: demo test test-unit test-dist test-e2e lint test-slow bench serve clean chromium
 
+# compileall: the project's own bytecode. An editable install leaves it to the first import, and
+# where PYTHONDONTWRITEBYTECODE is set every process (each rank of each run) would compile it anew.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
-	# The project's own bytecode: an editable install leaves it to the first import, and where
-	# PYTHONDONTWRITEBYTECODE is set every process (each rank of each run) would compile it anew.
 	$(BIN)/python -m compileall -q neuron_parallel tasks flows
 	touch $(STAMP)
 

@@ -423,6 +423,11 @@ def _await_job(path: Path, poll_s: float = 0.02) -> None:
     """Wait, everything imported, until the launcher writes the job file (``ReadyRanks``); end
     quietly if torchrun, this rank's parent, is gone first."""
     parent = os.getppid()
+    # What every job loads once it comes, imported while it has not: the reader of the tokenized
+    # data and transformers' model base (a model's own module is small).
+    import datasets  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
     while not path.exists():
         if os.getppid() != parent:
             exit_rank(0)
