@@ -147,13 +147,12 @@ class TemporaryServer:
 
         from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-        no_link = _DropRecords("View at ")
-        logging.getLogger("prefect.flow_runs").addFilter(no_link)
+        logging.getLogger("prefect.flow_runs").addFilter(_no_run_page_link)
         try:
             with temporary_settings(updates={PREFECT_API_URL: self.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 yield
         finally:
-            logging.getLogger("prefect.flow_runs").removeFilter(no_link)
+            logging.getLogger("prefect.flow_runs").removeFilter(_no_run_page_link)
 
     def stop(self) -> None:
         """Stop the server now, rather than at interpreter exit, so that the run's summary lines
@@ -163,14 +162,9 @@ class TemporaryServer:
         kill_tree(self.proc, grace_s=5.0)
 
 
-class _DropRecords:
-    """A logging filter that drops the records whose message starts with ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def filter(self, record) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+def _no_run_page_link(record) -> bool:
+    """A logging filter (a callable, as ``logging`` takes): drops Prefect's "View at <run page>"."""
+    return not str(record.msg).startswith("View at ")
 
 
 def _uses_temporary_server() -> bool:

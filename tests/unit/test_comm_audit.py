@@ -14,13 +14,6 @@ from neuron_parallel.parallel.comm_audit import CollectiveLog
 from neuron_parallel.parallel.data_parallel import GradReducer, plan_buckets
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_log_records_plain_and_functional_collectives_with_bytes(world_of_one):
     log = CollectiveLog({(0,): "dp"})
     with log:

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from neuron_parallel.checkpoint.format import MANIFEST, Manifest, Piece, TensorEntry
@@ -45,13 +44,6 @@ def test_clip_grad_norm_matches_torch(max_norm):
     torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_all_reduce_grads_averages_through_small_buckets(world_of_one):
