@@ -54,12 +54,18 @@ test-slow: $(STAMP)
 serve: $(STAMP) $(TINY)/model/config.json
 	$(BIN)/neuron-flows serve
 
+# Every benchmark that runs on CPU (bench/gpu.sh needs a GPU). BENCH_ARGS goes to each one:
+# `make bench BENCH_ARGS=--quick` runs them all at small sizes, to see that they start and finish.
+BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
-	$(BIN)/python bench/train_throughput.py
-	$(BIN)/python bench/checkpoint_save.py
-	$(BIN)/python bench/consolidate.py
-	$(BIN)/python bench/tokenize.py
+	$(BIN)/python bench/train_throughput.py $(BENCH_ARGS)
+	$(BIN)/python bench/checkpoint_save.py $(BENCH_ARGS)
+	$(BIN)/python bench/consolidate.py $(BENCH_ARGS)
+	$(BIN)/python bench/tokenization.py $(BENCH_ARGS)
+	$(BIN)/python bench/comm.py $(BENCH_ARGS)
+	$(BIN)/python bench/flow_overhead.py $(BENCH_ARGS)
+	$(BIN)/python bench/planner.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(TINY) .runs

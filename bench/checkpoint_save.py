@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks training: asynchronous vs synchronous, side by side.
 
-    python bench/checkpoint_save.py [--hidden 1024] [--saves 3]
+    .venv/bin/python bench/checkpoint_save.py [--quick] [--hidden 1024] [--saves 3] [--work-s 20]
 
 One process (a world of one) holds the fp32 parameters of a Llama of width ``--hidden`` and
 AdamW state of the same shapes, alternates a stretch of "training" (matmuls, so the writer
@@ -9,19 +9,11 @@ thread competes for the CPU as it would) with a save, and records the time each
 finish. The same loop runs with
 ``async_save=False`` and ``True``; the ratio of the mean blocked times is the result
 (goal <= 0.1x). Each mode's last checkpoint is validated, so both wrote the same complete thing.
+``--quick``: width 256, 2 saves, 2 s of compute between them.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import argparse
 import json
 import statistics
 import tempfile
@@ -29,13 +21,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_util import parser, pick, print_table, verdict, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from neuron_parallel.checkpoint import CheckpointWriter, validate_checkpoint  # noqa: E402
-from neuron_parallel.checkpoint.validate import expected_shapes  # noqa: E402
-from neuron_parallel.mesh import init_distributed  # noqa: E402
+from neuron_parallel.checkpoint import CheckpointWriter, validate_checkpoint
+from neuron_parallel.checkpoint.shapes import expected_shapes
+from neuron_parallel.mesh import init_distributed
 
 
 def fake_model(model_dir: Path, hidden: int) -> tuple[dict, dict]:
@@ -82,13 +72,14 @@ def run(mode_async: bool, run_dir: Path, model_dir: str, model, optim, saves: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024, help="model width: 1024 gives ~0.5 GB of fp32 parameters")
-    ap.add_argument("--saves", type=int, default=3)
-    ap.add_argument(
-        "--work-s", type=float, default=20.0, help="seconds of compute between saves (longer than one write)"
-    )
+    ap = parser(__doc__, "width 256, 2 saves, 2 s of compute between them")
+    ap.add_argument("--hidden", type=int, help="model width (default 1024: ~0.5 GB of fp32 parameters)")
+    ap.add_argument("--saves", type=int, help="saves per mode (default 3)")
+    ap.add_argument("--work-s", type=float, help="seconds of compute between saves (default 20: longer than a write)")
     args = ap.parse_args()
+    args.hidden = pick(args.hidden, args.quick, 256, 1024)
+    args.saves = pick(args.saves, args.quick, 2, 3)
+    args.work_s = pick(args.work_s, args.quick, 2.0, 20.0)
     torch.set_num_threads(1)
     init_distributed("cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,14 +94,14 @@ def main() -> None:
         f"checkpoint of {total / 1e9:.2f} GB ({len(model)} parameters + AdamW state), {args.saves} saves, "
         f"{args.work_s:.0f} s of compute between saves"
     )
-    print(f"{'mode':<8}{'blocked per save (s)':>24}{'mean':>10}{'final wait (s)':>16}{'valid':>8}")
-    for name, r in results.items():
-        per = ", ".join(f"{x:.2f}" for x in r["blocked_s"])
-        print(f"{name:<8}{per:>24}{r['mean_blocked_s']:>10.3f}{r['final_wait_s']:>16.2f}{str(r['valid']):>8}")
-    print(f"async / sync blocked time: {ratio:.3f}x (goal <= 0.10x: {'met' if ratio <= 0.10 else 'missed'})")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint_save.json").write_text(json.dumps({"bytes": total, "ratio": ratio, **results}, indent=1))
+    rows = [
+        [name, ", ".join(f"{x:.2f}" for x in r["blocked_s"]), f"{r['mean_blocked_s']:.3f}"]
+        + [f"{r['final_wait_s']:.2f}", str(r["valid"])]
+        for name, r in results.items()
+    ]
+    print_table(["mode", "blocked per save (s)", "mean", "final wait (s)", "valid"], rows)
+    print(f"async / sync blocked time: {ratio:.3f}x (goal <= 0.10x: {verdict(ratio <= 0.10)})")
+    write_results("checkpoint_save.json", {"bytes": total, "ratio": ratio, **results})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: streaming consolidation of one of our checkpoints vs ``cp``, DCP and an all-in-RAM merge.
 
-    .venv/bin/python bench/consolidate.py [--size-gb 2] [--workdir DIR] [--dtype float32|bfloat16]
+    .venv/bin/python bench/consolidate.py [--quick] [--size-gb 2] [--workdir DIR] [--dtype float32|bfloat16]
                                           [--keep] [--profile]
 
 1. Builds (untimed) a synthetic Llama-shaped checkpoint in our format at tp=4 x pp=2, and the same
@@ -8,7 +8,7 @@
 2. Measures, each in its own subprocess with the page cache dropped before it (``sync; echo 3 >
    /proc/sys/vm/drop_caches``; if that is refused, each run follows a warm-up read instead):
      a. ``cp -r`` of the shard files (and, separately, the ``sync`` that makes them durable);
-     b. ``consolidate_checkpoint(ckpt, out)`` (ours: one pass over each piece file that hashes it
+     b. ``export_checkpoint(ckpt, out)`` (ours: one pass over each piece file that hashes it
         and copies its pieces into place; it fsyncs its output);
      c. DCP's ``format_utils.dcp_to_torch_save`` on the DCP checkpoint;
      d. an all-in-RAM merge as optimum-neuron's consolidation does it: ``load_file`` every tp
@@ -20,36 +20,29 @@
    prints a table against the goals, with the CPU seconds of ours and of ``cp`` (time on a shared
    machine stretches with other people's load; CPU seconds much less); writes
    bench/results/consolidate.json.
+
+``--quick``: a 0.3 GB bfloat16 checkpoint (the smallest the shape allows: 2 layers) instead of
+2 GB of float32.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
 import argparse
 import json
+import os
 import platform
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-from consolidate_methods import MiB, child_main, proc_status  # bench/ is on sys.path
-from synthetic_checkpoint import PP, TP  # noqa: E402
+from bench_util import RESULTS, ROOT, parser, pick, print_table, proc_status, verdict, write_results
+from consolidate_methods import MiB, child_main
+from synthetic_checkpoint import PP, TP
 
 # --------------------------------------------------------------------------------------------
 # The parent: build, measure, report
@@ -154,10 +147,10 @@ def du(path: Path) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (1e9 bytes); default 2")
+    ap = parser(__doc__, "a 0.3 GB bfloat16 checkpoint")
+    ap.add_argument("--size-gb", type=float, help="checkpoint size in GB (1e9 bytes); default 2")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic data goes (default: a temp dir)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default float32")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints and outputs")
     ap.add_argument(
         "--warm", action="store_true", help="do not drop the page cache; warm-read the inputs before each run"
@@ -170,8 +163,11 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--skip-dcp", action="store_true")
     ap.add_argument("--skip-allram", action="store_true")
-    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "consolidate.json")
-    return ap.parse_args()
+    ap.add_argument("--results", type=Path, default=RESULTS / "consolidate.json")
+    args = ap.parse_args()
+    args.size_gb = pick(args.size_gb, args.quick, 0.3, 2.0)
+    args.dtype = pick(args.dtype, args.quick, "bfloat16", "float32")
+    return args
 
 
 def build(runner: Runner, work: Path, args: argparse.Namespace, report: dict) -> tuple[dict, Path, Path]:
@@ -284,10 +280,9 @@ def main() -> None:
         report["runs"] = runs
         report["goals"] = goals(facts, runs)
         report["total_s"] = time.perf_counter() - started
-        print_table(facts, runs, report["goals"])
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(report, indent=1))
-        print(f"\n[bench] wrote {args.results} ({report['total_s']:.0f}s in all)")
+        print_report(facts, runs, report["goals"])
+        print(f"\n[bench] {report['total_s']:.0f}s in all")
+        write_results(args.results, report)
     finally:
         if args.keep:
             print(f"[bench] kept {work}")
@@ -359,7 +354,62 @@ def goals(facts: dict, runs: dict) -> dict:
     return g
 
 
-def print_table(facts: dict, runs: dict, g: dict) -> None:
+def _rows(runs: dict, nbytes: int) -> list[list[str]]:
+    """The table's rows: cp, cp + sync, then each conversion with its memory and verification."""
+    cp = runs["cp"]
+    rows = [
+        ["cp -r", f"{cp['seconds']:.2f}", f"{nbytes / cp['seconds'] / 1e6:.0f}", "-", "-", "-"]
+        + [f"{cp['bytes'] / 1e9:.3f}", "-"],
+        ["cp -r + sync", f"{cp['seconds_with_sync']:.2f}", f"{nbytes / cp['seconds_with_sync'] / 1e6:.0f}"]
+        + ["-", "-", "-", "", "-"],
+    ]
+    for key, label in (("ours", "ours (streaming)"), ("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM merge")):
+        if key in runs:
+            r = runs[key]
+            rows.append(
+                [label, f"{r['seconds']:.2f}", f"{nbytes / r['seconds'] / 1e6:.0f}", f"{r['peak_rss_mib']:.0f}"]
+                + [f"{r['polled_max_rss_anon_mib']:.0f}", f"{r['polled_max_rss_file_mib']:.0f}"]
+                + [f"{r['bytes'] / 1e9:.3f}", "yes" if r["verify"]["ok"] else "NO"]
+            )
+    return rows
+
+
+def _print_goals(runs: dict, g: dict) -> None:
+    t = g["throughput_vs_cp"]
+    print(f"throughput ours/cp = {t['ratio']:.2f}x (goal >= 0.8x: {verdict(t['met'])})")
+    t = g["throughput_vs_cp_plus_sync"]
+    print(
+        f"throughput ours/(cp + sync) = {t['ratio']:.2f}x "
+        f"(goal >= 0.8x; ours fsyncs, plain cp does not: {verdict(t['met'])})"
+    )
+    r = g["rss_vs_budget"]
+    print(
+        f"ours peak RSS {r['ours_mib']:.0f} MiB vs 2 x largest + 300 = {r['budget_mib']:.0f} MiB: {verdict(r['met'])}"
+    )
+    for other, label in (("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM")):
+        if f"rss_vs_{other}" in g:
+            r = g[f"rss_vs_{other}"]
+            print(
+                f"{label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = "
+                f"{r['ratio']:.1f}x (goal >= 5x: {verdict(r['met'])})"
+            )
+    i = g["info_streaming_only"]
+    print(
+        f"(info) ours = {i['validate_s']:.2f}s up-front checks + {i['streaming_s']:.2f}s copying; copying alone "
+        f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync"
+    )
+    if "cpu_s" in runs["ours"]:
+        print(
+            f"(info) CPU seconds (user + system), less inflated by other load than wall time: ours "
+            f"{runs['ours']['cpu_s']:.2f} (sha256 of every byte read included), cp -r {runs['cp']['cpu_s']:.2f}"
+        )
+    print(
+        "every output verified (names, byte total, spot-checked tensors equal the pieces): "
+        + verdict(g["outputs_verified"])
+    )
+
+
+def print_report(facts: dict, runs: dict, g: dict) -> None:
     nbytes = facts["shard_file_bytes"]
     print()
     print(
@@ -373,63 +423,10 @@ def print_table(facts: dict, runs: dict, g: dict) -> None:
         + f" on {os.cpu_count()} CPUs"
     )
     print()
-    hdr = (
-        f"{'run':<24}{'time s':>9}{'MB/s':>9}{'peak RSS MiB':>14}{'anon max':>10}{'file max':>10}{'out GB':>9}"
-        "  verified"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    cp = runs["cp"]
-    print(
-        f"{'cp -r':<24}{cp['seconds']:>9.2f}{nbytes / cp['seconds'] / 1e6:>9.0f}{'-':>14}{'-':>10}{'-':>10}"
-        f"{cp['bytes'] / 1e9:>9.3f}  -"
-    )
-    print(
-        f"{'cp -r + sync':<24}{cp['seconds_with_sync']:>9.2f}{nbytes / cp['seconds_with_sync'] / 1e6:>9.0f}"
-        f"{'-':>14}{'-':>10}{'-':>10}{'':>9}  -"
-    )
-    for key, label in (("ours", "ours (streaming)"), ("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM merge")):
-        if key not in runs:
-            continue
-        r = runs[key]
-        print(
-            f"{label:<24}{r['seconds']:>9.2f}{nbytes / r['seconds'] / 1e6:>9.0f}{r['peak_rss_mib']:>14.0f}"
-            f"{r['polled_max_rss_anon_mib']:>10.0f}{r['polled_max_rss_file_mib']:>10.0f}{r['bytes'] / 1e9:>9.3f}  "
-            f"{'yes' if r['verify']['ok'] else 'NO'}"
-        )
+    headers = ["run", "time s", "MB/s", "peak RSS MiB", "anon max", "file max", "out GB", "verified"]
+    print_table(headers, _rows(runs, nbytes))
     print()
-    mark = lambda ok: "MET " if ok else "MISS"  # noqa: E731
-    t = g["throughput_vs_cp"]
-    print(f"[{mark(t['met'])}] throughput ours/cp = {t['ratio']:.2f}x (goal >= 0.8x)")
-    t = g["throughput_vs_cp_plus_sync"]
-    print(
-        f"[{mark(t['met'])}] throughput ours/(cp + sync) = {t['ratio']:.2f}x "
-        "(goal >= 0.8x; ours fsyncs, plain cp does not)"
-    )
-    r = g["rss_vs_budget"]
-    print(f"[{mark(r['met'])}] ours peak RSS {r['ours_mib']:.0f} MiB vs 2 x largest + 300 = {r['budget_mib']:.0f} MiB")
-    for other, label in (("dcp", "dcp_to_torch_save"), ("allram", "all-in-RAM")):
-        if f"rss_vs_{other}" in g:
-            r = g[f"rss_vs_{other}"]
-            print(
-                f"[{mark(r['met'])}] {label} RSS / ours = {r['other_mib']:.0f} / {r['ours_mib']:.0f} = "
-                f"{r['ratio']:.1f}x (goal >= 5x)"
-            )
-    i = g["info_streaming_only"]
-    print(
-        f"       (info) ours = {i['validate_s']:.2f}s up-front checks + {i['streaming_s']:.2f}s copying; "
-        "copying alone "
-        f"is {i['ratio_vs_cp']:.2f}x cp, {i['ratio_vs_cp_sync']:.2f}x cp + sync"
-    )
-    if "cpu_s" in runs["ours"]:
-        print(
-            f"       (info) CPU seconds (user + system), less inflated by other load than wall time: ours "
-            f"{runs['ours']['cpu_s']:.2f} (sha256 of every byte read included), cp -r {runs['cp']['cpu_s']:.2f}"
-        )
-    print(
-        f"[{mark(g['outputs_verified'])}] every output verified "
-        "(names, byte total, spot-checked tensors equal the pieces)"
-    )
+    _print_goals(runs, g)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The child side of ``consolidate.py``: what each measured subprocess runs (ours, DCP's
 ``dcp_to_torch_save``, the all-in-RAM merge, the idle floor, the synthetic builds) and the
-verification of every output against its pieces, plus the ``/proc/<pid>/status`` reader that both
-the children and the parent's RSS poller use. ``consolidate.py --child KIND SPEC`` lands in
+verification of every output against its pieces. ``consolidate.py --child KIND SPEC`` lands in
 ``child_main`` here."""
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ import resource
 import time
 from pathlib import Path
 
-from synthetic_checkpoint import (  # bench/ is on sys.path (the running script's folder)
+from bench_util import proc_status
+from synthetic_checkpoint import (
     build_checkpoint,
     build_dcp,
     itemsize,
@@ -26,34 +26,17 @@ SPOT_CHECK = 6  # tensors compared element for element in each output
 
 
 # --------------------------------------------------------------------------------------------
-# /proc/<pid>/status
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0])  # kB
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        pass
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # What each measured child runs
 
 
 def run_ours(ckpt: Path, out: Path, profile: bool) -> dict:
-    from neuron_parallel.checkpoint import consolidate as cmod
-    from neuron_parallel.checkpoint import consolidate_checkpoint
+    from neuron_parallel.checkpoint import export as xmod
+    from neuron_parallel.checkpoint import export_checkpoint
 
     # Time the up-front checks apart from the copying (wrapper calls; nothing else changes): the
     # quick validation, the headers, and the sha256 of the config files.
     timing = {"validate_s": 0.0}
-    real_open_source = cmod.open_source
+    real_open_source = xmod.open_source
 
     def open_source(*a, **k):
         t0 = time.perf_counter()
@@ -62,10 +45,10 @@ def run_ours(ckpt: Path, out: Path, profile: bool) -> dict:
         finally:
             timing["validate_s"] += time.perf_counter() - t0
 
-    cmod.open_source = open_source
+    xmod.open_source = open_source
     if not profile:
         t0, c0 = time.perf_counter(), time.process_time()
-        consolidate_checkpoint(ckpt, out)
+        export_checkpoint(ckpt, out)
         return {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, **timing}
     import cProfile
     import io
@@ -75,7 +58,7 @@ def run_ours(ckpt: Path, out: Path, profile: bool) -> dict:
     prof = cProfile.Profile()
     t0, c0 = time.perf_counter(), time.process_time()
     prof.enable()
-    consolidate_checkpoint(ckpt, out)
+    export_checkpoint(ckpt, out)
     prof.disable()
     t = time.perf_counter() - t0
     phases["process_cpu_s"] = time.process_time() - c0
@@ -128,6 +111,7 @@ def _instrument_ours() -> dict:
     import types
 
     from neuron_parallel.checkpoint import consolidate as cmod
+    from neuron_parallel.checkpoint import hf_dir as wmod
     from neuron_parallel.checkpoint import scatter as smod
 
     clock = _Clock()
@@ -157,9 +141,9 @@ def _instrument_ours() -> dict:
 
     smod.open = lambda *a, **k: _File(builtins.open(*a, **k))  # a module global shadows the builtin
     smod.hashlib = types.SimpleNamespace(sha256=_Hash)
-    smod._write_behind = clock.timed("write_rows_s", smod._write_behind, sample=True)
-    real_box = smod._box_writer
-    smod._box_writer = lambda *a: clock.timed("write_box_s", real_box(*a), sample=True)
+    smod.write_behind = clock.timed("write_rows_s", smod.write_behind, sample=True)
+    real_box = smod.box_writer
+    smod.box_writer = lambda *a: clock.timed("write_box_s", real_box(*a), sample=True)
     real_scatter = smod.scatter_pieces
 
     def scatter_pieces(*a, **k):
@@ -173,7 +157,7 @@ def _instrument_ours() -> dict:
     proxy = types.ModuleType("os")
     proxy.__dict__.update(os.__dict__)
     proxy.fsync = clock.timed("fsync_s", os.fsync)
-    cmod.os = proxy
+    wmod.os = proxy
     phases["threads"] = clock.s  # filled in as the run goes
     phases["threads_cpu"] = clock.cpu
     phases["max_rss_at_writes"] = clock.max_rss

@@ -1,6 +1,6 @@
 """Benchmark: what ``neuron-flows run`` costs beyond its training steps.
 
-    .venv/bin/python bench/flow_overhead.py [--config configs/tiny-llama-cpu.yaml] [--steps 5]
+    .venv/bin/python bench/flow_overhead.py [--quick] [--config configs/tiny-llama-cpu.yaml] [--steps 5]
                                             [--repeats 1] [--server temporary|running|both]
                                             [--command CMD [--command CMD2 ...]] [--imports]
                                             [--show] [--keep] [--json PATH]
@@ -44,21 +44,14 @@ printed after the summary and any "Error logging to API" are reported.
 ``--imports`` adds ``python -X importtime`` of the modules the command loads (each in a fresh
 interpreter): total, and the heaviest imports at the top two levels. Prints the table and the load
 average before and after; ``--json`` writes every run (its lines with their times included).
+``--quick``: 2 steps instead of 5.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/ holds a script named like the standard library's ``tokenize``: keep this folder behind
-# the standard library on sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import argparse
 import itertools
 import json
+import os
 import re
 import resource
 import shlex
@@ -66,16 +59,17 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from statistics import median
 
-# Imported before any run starts, so that its imports do not load the machine during one.
-from neuron_parallel.launch import process_tree
+# Imported before any run starts, so that their imports do not load the machine during one.
+from bench_util import ROOT, cpu_seconds, loadavg, median, parser, pick, print_table, thread_waits_ns
 
-ROOT = Path(__file__).resolve().parents[1]
+from neuron_parallel.procs import cmdline, process_tree
+
 BIN = Path(sys.executable).parent
 
 TASKS = ("preflight", "tokenize", "plan", "train", "validate", "consolidate", "upload", "report")
@@ -118,29 +112,10 @@ CATEGORIES = (("uvicorn", "server"), ("torch.distributed.run", "torchrun"), ("ne
 def _category(pid: int) -> str | None:
     """The kind of process ``pid`` is, or None when its command line cannot be read (it has
     exited: a zombie's is empty)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
+    cmd = cmdline(pid)
     if not cmd:
         return None
-    return next((name for marker, name in CATEGORIES if marker.encode() in cmd), "command")
-
-
-def _pid_cpu_s(pid: int) -> float:
-    """User + system seconds of ``pid``, its ended threads included (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _waits_s(pid: int) -> dict[str, float]:
-    """Seconds each thread of ``pid`` has waited, runnable, for a core (schedstat)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            out[tid] = int(f.read().split()[1]) / 1e9
-    return out
+    return next((name for marker, name in CATEGORIES if marker in cmd), "command")
 
 
 class TreeSampler:
@@ -160,8 +135,8 @@ class TreeSampler:
                 for pid in process_tree(root_pid):
                     try:
                         kind = _category(pid) or self._cpu.get(pid, ("command", 0.0))[0]
-                        self._cpu[pid] = (kind, _pid_cpu_s(pid))
-                        self._waits.update({(pid, tid): w for tid, w in _waits_s(pid).items()})
+                        self._cpu[pid] = (kind, cpu_seconds(pid))
+                        self._waits.update({(pid, tid): ns / 1e9 for tid, ns in thread_waits_ns(pid).items()})
                     except (OSError, ValueError, IndexError):
                         pass
                 cpu: dict[str, float] = {}
@@ -468,21 +443,28 @@ def _print_table(results: list[dict]) -> None:
         print("  medians:")
         for key in ("wall_s", "steps_s", "overhead_s", "cpu_s"):
             print(f"    {key:<32} {median(r['summary'][key] for r in runs):8.2f}")
-        print(f"  {'breakdown':<34} {'wall s':>8} {'waited':>7}  CPU s by process")
-        for phase in PHASES:
-            found = [r["summary"]["breakdown"][phase] for r in runs if phase in r["summary"]["breakdown"]]
-            if not found:
-                continue
-            kinds = sorted({k for f in found for k in f["cpu_s"]})
-            cpu = ", ".join(f"{k} {median(f['cpu_s'].get(k, 0.0) for f in found):.1f}" for k in kinds)
-            wall, waited = median(f["wall_s"] for f in found), median(f["waited_s"] for f in found)
-            print(f"    {phase:<32} {wall:8.2f} {waited:7.2f}  {cpu}")
+        print_table(["breakdown (medians)", "wall s", "waited s", "CPU s by process"], _breakdown_rows(runs))
+
+
+def _breakdown_rows(runs: list[dict]) -> list[list[str]]:
+    """Per phase found in the runs: the medians of its wall time, of the time waited for a core
+    and of the CPU seconds of each kind of process."""
+    rows = []
+    for phase in PHASES:
+        found = [r["summary"]["breakdown"][phase] for r in runs if phase in r["summary"]["breakdown"]]
+        if not found:
+            continue
+        kinds = sorted({k for f in found for k in f["cpu_s"]})
+        cpu = ", ".join(f"{k} {median(f['cpu_s'].get(k, 0.0) for f in found):.1f}" for k in kinds)
+        wall, waited = median(f["wall_s"] for f in found), median(f["waited_s"] for f in found)
+        rows.append([phase, f"{wall:.2f}", f"{waited:.2f}", cpu])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, "2 training steps a run instead of 5")
     p.add_argument("--config", default="configs/tiny-llama-cpu.yaml")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, help="training steps a run (default 5)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--server", choices=["temporary", "running", "both"], default="temporary")
     p.add_argument("--imports", action="store_true", help="also python -X importtime of the modules the run loads")
@@ -497,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "commands alternate in each repeat, e.g. --command neuron-flows --command 'python old_cli.py'",
     )
     args = p.parse_args(argv)
+    args.steps = pick(args.steps, args.quick, 2, 5)
     if not (ROOT / ".tiny" / "model" / "config.json").exists() and "tiny" in args.config:
         subprocess.run([str(BIN / "neuron-flows"), "make-tiny", ".tiny"], cwd=ROOT, check=True)
     kinds = ["temporary", "running"] if args.server == "both" else [args.server]
@@ -514,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, (c, command) in itertools.product(kinds, enumerate(commands)):
                 workdir = work / f"{kind}-{c}-{i}"
                 label = kind if len(commands) == 1 else f"{kind}, command {c + 1} ({shlex.join(command)})"
-                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                load = loadavg()
                 api = server.url if kind == "running" else None
                 db_url = server.database_url if server is not None and kind == "running" else temporary_db
                 run = run_once(args.config, args.steps, workdir, api, args.timeout, command, db_url)

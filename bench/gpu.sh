@@ -12,7 +12,7 @@
 # neuron_parallel.train), then the same model and batches through a plain transformers +
 # torch.optim.AdamW loop. It prints:
 #   * MFU = tokens/s x FLOPs per token / peak, FLOPs per token = 6 N_non_embedding + 12 L H Q T
-#     (/work/shared/FACTS.md, "Formulas"), peak = the hardware catalog's h200 entry (989 TFLOP/s
+#     (the PaLM paper, Chowdhery et al. 2022, appendix B), peak = the hardware catalog's h200 entry (989 TFLOP/s
 #     dense bf16, neuron_parallel/planning/hardware.py);
 #   * tokens/s of neuron_parallel against the plain loop (ratio);
 #   * the planner's predicted peak memory (neuron_parallel/planning/memory.py) against the

@@ -20,7 +20,7 @@ WARMUP, HARDWARE, RESULTS.
   ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` (torch's default implementation)
   with the job's settings; a step timed from batch fetch to ``loss.item()``, as ``train.py`` does.
 * ``report``: tokens/s (median of the steps after WARMUP), MFU = tokens/s × FLOPs per token /
-  peak, where FLOPs per token is FACTS.md's ``6 N_non_embedding + 12 L H Q T``
+  peak, where FLOPs per token is ``6 N_non_embedding + 12 L H Q T``
   (``ModelShape.flops_per_token``) and the peak is the hardware catalog's dense bf16 FLOP/s of
   HARDWARE (``neuron_parallel.planning.hardware``; h200: 989 TFLOP/s); and the planner's
   predicted peak (``neuron_parallel.planning.memory.job_rank_memory``) against the measured
@@ -29,17 +29,11 @@ WARMUP, HARDWARE, RESULTS.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
 import importlib.util
 import json
+import os
 import statistics
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -355,8 +349,8 @@ def report(work: Path) -> None:
         f"model {s['model']}: {r['params']:,} parameters, {r['params_non_embedding']:,} without the input "
         f"embedding; seq {s['seq']}, micro batch {s['mbs']}, bf16 autocast, fp32 master weights, SDPA; "
         f"{r['timed_steps']} timed steps after {s['warmup']} warm-up",
-        f"FLOPs per token 6*N_non_embedding + 12*L*H*Q*T (FACTS.md) = {r['flops_per_token'] / 1e9:.4g} GFLOP; peak "
-        f"{_flops(r['peak_flops'])} ({r['hardware']}, planning/hardware){nominal}",
+        f"FLOPs per token 6*N_non_embedding + 12*L*H*Q*T (planning/model) = {r['flops_per_token'] / 1e9:.4g} "
+        f"GFLOP; peak {_flops(r['peak_flops'])} ({r['hardware']}, planning/hardware){nominal}",
         f"tokens/s   ours {r['ours_tokens_per_s']:,.0f}   plain transformers+AdamW {r['plain_tokens_per_s']:,.0f}   "
         f"ratio {r['ratio_ours_over_plain']:.3f}x",
         f"MFU        ours {100 * r['mfu_ours']:.1f}%   plain {100 * r['mfu_plain']:.1f}%{nominal}",

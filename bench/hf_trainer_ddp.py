@@ -2,15 +2,9 @@
 run as ``torchrun --nproc_per_node N bench/hf_trainer_ddp.py CFG.json``, on the same model and
 packed rows as neuron_parallel, timing each step from ``on_step_begin`` to ``on_step_end``."""
 
+import json
 import os
 import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import json
 import time
 
 import torch

@@ -5,7 +5,7 @@ The real ``neuron_parallel.parallel.pipeline.PipelineRunner`` (``PipelineStage``
 gloo) drives stage modules whose forward and backward sleep a fixed time (a ``Linear`` and an
 autograd function sleeping ``tf`` forward, ``tb`` = 2 tf backward; activations of 2 x 128 x 256
 floats cross the stages). Each rank's busy time is measured by wrapping the stage's
-``forward_one_chunk``/``backward_one_chunk`` and the schedule's loss computation with timers; a
+``forward_one_chunk``/``backward_one_chunk`` and the runner's loss function with timers; a
 barrier starts every step together; the step's wall time is that of ``PipelineRunner.step``
 (its final loss all-reduce included). Bubble = 1 - busy/wall per rank, median over steady
 steps; the worst rank is shown. Sleeping stages use no CPU, so 4 ranks on 2 cores do not
@@ -24,15 +24,9 @@ indicative only.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import json
 import time
 from pathlib import Path
 
@@ -61,7 +55,7 @@ def _instrument(runner) -> list[float]:
     stage = runner.pipeline_stages[0]
     stage.forward_one_chunk = _timed(stage.forward_one_chunk, busy)
     stage.backward_one_chunk = _timed(stage.backward_one_chunk, busy)
-    runner.schedule._maybe_compute_loss = _timed(runner.schedule._maybe_compute_loss, busy)
+    runner.loss_fn = _timed(runner.loss_fn, busy)  # PipelineRunner calls it for every microbatch
     return busy
 
 
@@ -170,7 +164,7 @@ def worker_pipe(cfg: dict) -> None:
         dist.all_gather_object(gathered, records)
         results.append({**case, "per_rank": gathered})
     if rank == 0:
-        from neuron_parallel.launch import print_rank_result
+        from neuron_parallel.testing.ranks import print_rank_result
 
         print_rank_result({"rank": rank, "cases": results})
     from neuron_parallel.mesh import close_distributed
@@ -226,7 +220,7 @@ def run_pipe(
     seed: int,
     job: Path | None = None,
 ) -> list[dict]:
-    """Every case in one launch of ``max(pp)`` ranks (``run_ranks``: torchrun); ``job`` (a job.json)
+    """Every case in one launch of ``max(pp)`` ranks (``run_ranks_child``: torchrun); ``job`` (a job.json)
     for ``real``. Rank 0 reports the gathered per-rank records with ``print_rank_result``."""
     tag = f"{mode}-" + "-".join(f"pp{c['pp']}m{c['m']}t{int(1e3 * c.get('tf', 0))}" for c in cases)
     nproc = max(c["pp"] for c in cases)

@@ -3,7 +3,7 @@
     .venv/bin/python bench/planner.py [--quick] [--steps N] [--cases NAME,NAME]
 
 Every case is a real training run through the real entry point, one torchrun job per case,
-launched by the project's launcher ``neuron_parallel.launch.run_ranks`` (``torchrun --standalone
+launched by the project's launcher ``neuron_parallel.testing.ranks.run_ranks`` (``torchrun --standalone
 --nproc_per_node N bench/planner.py --worker job.json``); each rank reports its peak with
 ``print_rank_result``. The worker imports ``neuron_parallel.train``, replaces its checkpoint
 writer by a no-op (a save is not part of a training step's memory and the final step always
@@ -34,28 +34,18 @@ per instance, for information.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_util import RESULTS, parser, print_table, run_ranks_child, verdict, write_results
 
-import dataclasses  # noqa: E402
-
-from neuron_parallel.launch import print_rank_result, run_ranks  # noqa: E402
-from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method  # noqa: E402
-from neuron_parallel.planning.memory import job_rank_memory  # noqa: E402
+from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method
+from neuron_parallel.planning.memory import job_rank_memory
+from neuron_parallel.testing.ranks import print_rank_result
 
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 WIDE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2)
@@ -86,8 +76,8 @@ CASES = {
 }
 CASE_TIMEOUT_S = 1800
 """Wall-clock limit of one case's launch (the largest cases take a few minutes on 2 cores)."""
-QUICK = ["small-1rank", "small-dp2-zero1", "small-tp2-sp", "small-pp2-1f1b", "small-recompute", "wide-tp4-kvrep"]
-QUICK += ["small-tp2-sp-lora"]
+QUICK = ["small-1rank", "small-tp2-sp", "small-pp2-1f1b"]
+"""The cases of ``--quick``: one rank, tensor and sequence parallel, pipeline parallel."""
 
 
 def _in_phase(fn, name: str):
@@ -169,17 +159,8 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
     )
     (run_dir / "job.json").write_text(job.to_json())
     t0 = time.perf_counter()
-    res = run_ranks(
-        Path(__file__).resolve(),
-        world,
-        ["--worker", str(run_dir / "job.json")],
-        timeout=CASE_TIMEOUT_S,
-        threads=1,
-        cwd=ROOT,
-    )
-    if res.returncode:
-        err = res.stderr[max(0, res.stderr.find("Traceback")) :][:3000]
-        raise SystemExit(f"case {name} failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{err}")
+    args = ["--worker", str(run_dir / "job.json")]
+    res, _ = run_ranks_child(Path(__file__).resolve(), world, args, threads=1, timeout=CASE_TIMEOUT_S, label=name)
     shape = ModelShape.from_config(paths["model"])
     peaks = res.by_rank
     ranks = []
@@ -221,23 +202,24 @@ def _world(path: Path, shape: dict) -> dict:
 
 
 def _mb(x: float) -> str:
-    return f"{x / 2**20:7.1f}"
+    return f"{x / 2**20:.1f}"
 
 
-def print_table(results: list[dict]) -> None:
+def report(results: list[dict]) -> None:
+    """Predicted components and total against the measured peak, per case."""
     cols = ["params", "grads", "optimizer", "activations", "loss", "pipeline_buffers", "transient", "comm_buffers"]
     print("\nPeak tensor memory per rank, MiB (rank with the largest measured peak; max|err| over all ranks)")
-    head = f"{'case':26s} {'rank':>4s} " + " ".join(f"{c[:7]:>7s}" for c in cols)
-    print(head + f" {'pred':>7s} {'meas':>7s} {'err%':>6s} {'max%':>6s}  phase(pred/meas)")
+    rows = []
     for res in results:
         w = res["worst"]
         p = w["predicted"]
-        print(
-            f"{res['case']:26s} {w['rank']:4d} "
-            + " ".join(_mb(p[c]) for c in cols)
-            + f" {_mb(p['total'])} {_mb(w['measured'])} {100 * w['error']:+6.1f} {100 * res['max_abs_error']:6.1f}"
-            f"  {p['phase']}/{w['measured_phase']}"
+        rows.append(
+            [res["case"], str(w["rank"]), *(_mb(p[c]) for c in cols), _mb(p["total"]), _mb(w["measured"])]
+            + [f"{100 * w['error']:+.1f}", f"{100 * res['max_abs_error']:.1f}", verdict(res["max_abs_error"] <= 0.15)]
+            + [f"{p['phase']}/{w['measured_phase']}"]
         )
+    headers = ["case", "rank", *(c[:7] for c in cols), "pred", "meas", "err%", "max%", "±15%", "phase (pred/meas)"]
+    print_table(headers, rows)
 
 
 # AWS's published Neuron distributed training throughput for Llama-3.1 (NeuronX Distributed
@@ -313,12 +295,11 @@ def anchors() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} cases")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cases", help="comma-separated case names")
-    parser.add_argument("--workdir", help="keep models, datasets and jobs here (default: a temporary directory)")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__, f"only the cases {', '.join(QUICK)}")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cases", help="comma-separated case names")
+    ap.add_argument("--workdir", help="keep models, datasets and jobs here (default: a temporary directory)")
+    args = ap.parse_args(argv)
     print(f"measurement check: known 150 MB pattern reads {check_method():,} bytes")
     names = args.cases.split(",") if args.cases else (QUICK if args.quick else list(CASES))
     results = []
@@ -333,20 +314,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"(max |err| {100 * res['max_abs_error']:.1f}%), {res['wall_s']:.0f}s",
                 flush=True,
             )
-    print_table(results)
+    report(results)
     print(
         "\nStep-time model against AWS's published Neuron training throughput for Llama-3.1 "
         "(32 × trn1.32xlarge, seq 8192, bf16):"
     )
     rows = anchors()
     ok = all(r["max_abs_error"] <= 0.15 for r in results)
-    out = ROOT / "bench" / "results" / "planner.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cases": results, "within_15pct": ok, "anchors": rows}, indent=1))
-    print(
-        f"\n{sum(r['max_abs_error'] <= 0.15 for r in results)}/{len(results)} cases within ±15% on every rank; "
-        f"written {out.relative_to(ROOT)}"
-    )
+    print(f"\n{sum(r['max_abs_error'] <= 0.15 for r in results)}/{len(results)} cases within ±15% on every rank")
+    write_results(RESULTS / "planner.json", {"cases": results, "within_15pct": ok, "anchors": rows})
     return 0 if ok else 1
 
 

@@ -8,6 +8,7 @@ import math
 
 # bench/ is on sys.path (the running script's folder)
 from bench_util import median
+from bench_util import print_table as print_cells
 
 # --------------------------------------------------------------------------------------------
 # report
@@ -33,16 +34,9 @@ def fmt(x, kind: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
+    """The results table: one line per ``row``."""
     headers = ["metric", "ours", "baseline", "ratio", "goal", "met?"]
-    cells = [headers] + [[r["metric"], r["ours_s"], r["baseline_s"], r["ratio_s"], r["goal"], r["met"]] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
-    line = "+-" + "-+-".join("-" * w for w in widths) + "-+"
-    print(line)
-    for i, c in enumerate(cells):
-        print("| " + " | ".join(s.ljust(w) for s, w in zip(c, widths)) + " |")
-        if i == 0:
-            print(line)
-    print(line)
+    print_cells(headers, [[r["metric"], r["ours_s"], r["baseline_s"], r["ratio_s"], r["goal"], r["met"]] for r in rows])
 
 
 def noise_note(notes: list[str], name: str, part: dict) -> None:

@@ -10,7 +10,7 @@ rows of 128 + 1 tokens. Every timed run is its own process. The results are prin
 Nothing is hard-coded: every number is measured in this invocation.
 
 1. One rank. neuron_parallel through its real entry point, launched by the project's launcher
-   ``neuron_parallel.launch.run_ranks`` (``torchrun --standalone --nproc_per_node 1 -m
+   ``neuron_parallel.testing.ranks.run_ranks`` (``torchrun --standalone --nproc_per_node 1 -m
    neuron_parallel.train job.json``), read from the
    run's ``metrics.jsonl`` (``tokens_per_s``, ``step_time_s``; warm-up steps skipped; median),
    against a plain loop in its own process: ``AutoModelForCausalLM.from_pretrained`` of the same
@@ -47,23 +47,17 @@ Nothing is hard-coded: every number is measured in this invocation.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# bench/tokenize.py shares a name with the standard library's ``tokenize`` (which ``inspect`` and so
-# torch import): keep this script's folder, first on sys.path, behind the standard library.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # bench/ is on sys.path (the running script's folder)
-from bench_util import ROOT, loadavg, log
+from bench_util import RESULTS, loadavg, log, parser, verdict, write_results
 from mfu import run_mfu
 from pipeline_bubble import FINE_GRAIN, GRAIN, run_pipe
 from throughput_report import fmt, noise_note, pooled, print_table, row, sched_note, sched_rows
@@ -82,8 +76,6 @@ from throughput_runs import (
     worker_plain,
     write_job,
 )
-
-RESULTS = ROOT / "bench" / "results" / "train_throughput.json"
 
 
 @dataclass
@@ -149,7 +141,7 @@ def part1(b: Bench) -> None:
             fmt(p_tps, "tps"),
             fmt(ratio, "ratio"),
             ">= 1.00x",
-            "yes" if ratio >= 1.00 else "NO",
+            verdict(ratio >= 1.00),
         )
     )
     note = (
@@ -196,7 +188,7 @@ def part2(b: Bench) -> None:
             fmt(h_tps, "tps"),
             fmt(ratio, "ratio"),
             ">= 1.05x",
-            "yes" if ratio >= 1.05 else "NO",
+            verdict(ratio >= 1.05),
         )
     )
     b.rows.append(
@@ -241,7 +233,7 @@ def part3_synthetic(b: Bench, part: dict, pipe_kw: dict) -> None:
                 fmt(res["formula"], "frac") + " formula",
                 fmt(res["ratio"], "ratio"),
                 "<= 1.10x" if primary else "info",
-                ("yes" if res["met"] else "NO") if primary else "-",
+                verdict(res["met"]),
             )
         )
 
@@ -298,7 +290,7 @@ def part3(b: Bench) -> None:
         )
     b.notes.append(
         "part 3 method: busy = time inside PipelineStage.forward_one_chunk/backward_one_chunk and the "
-        "schedule's loss; wall = PipelineRunner.step (its loss all-reduce included) after a barrier; "
+        "runner's loss function; wall = PipelineRunner.step (its loss all-reduce included) after a barrier; "
         "bubble = 1 - busy/wall, median of steady steps, worst rank shown. Sleep stages use no CPU, so "
         "4 ranks on 2 cores do not contend; they are balanced and fixed, so stage imbalance and "
         "compute/communication contention are not in the goal rows. The overhead beyond the formula is "
@@ -341,8 +333,7 @@ def part4(b: Bench) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps, one round, one pipeline stage length")
+    ap = parser(__doc__, "8 steps a run, one round, one pipeline stage length")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per timed run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=None, help="leading steps skipped in every run")
     ap.add_argument("--rounds", type=int, default=None, help="alternating ours/baseline rounds for parts 1 and 2")
@@ -360,7 +351,7 @@ def parse_args() -> argparse.Namespace:
         help="also measure the bubble of the real Llama stages at pp=2 and pp=4 (info rows; about a "
         "minute more; on a shared 2-core machine indicative only)",
     )
-    ap.add_argument("--out", default=str(RESULTS), help="where the JSON results go")
+    ap.add_argument("--out", default=str(RESULTS / "train_throughput.json"), help="where the JSON results go")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3,4")
     ap.add_argument("--_worker", choices=["plain"], help=argparse.SUPPRESS)
     ap.add_argument("--_cfg", help=argparse.SUPPRESS)
@@ -403,9 +394,7 @@ def report(b: Bench, out: Path) -> None:
     for n in b.notes:
         print(" - " + n)
     print(f"total {b.results['total_wall_s']:.0f} s")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(b.results, indent=2, default=str))
-    print(f"results written to {out}")
+    write_results(out, b.results)
 
 
 def main() -> int:

@@ -30,13 +30,12 @@ def _config(args):
 
 
 def _preflight(config, *, check_upload: bool = False):
-    """Refuse, before anything starts, what the machine, the files or the Hub already show cannot
-    work (``tasks.config.preflight``)."""
-    from neuron_flows.tasks.config import preflight
+    """The pipeline's preflight step (``tasks.steps.preflight``), before anything starts."""
+    from neuron_flows.tasks import steps
 
     # A token in a Prefect Secret block is read, and the Hub checked with it, by the flow.
     check_upload = check_upload and not config.hub.token_secret
-    preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload)
+    steps.preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload)
 
 
 def cmd_run(args) -> int:
@@ -115,7 +114,7 @@ class TemporaryServer:
         import socket
         import subprocess
 
-        from neuron_parallel.launch import die_with_parent
+        from neuron_parallel.procs import die_with_parent
 
         with socket.socket() as s:  # a free port: the kernel's pick
             s.bind(("127.0.0.1", 0))
@@ -157,7 +156,7 @@ class TemporaryServer:
     def stop(self) -> None:
         """Stop the server now, rather than at interpreter exit, so that the run's summary lines
         are the last thing printed; also while it is still starting (a refused preflight)."""
-        from neuron_parallel.launch import kill_tree
+        from neuron_parallel.procs import kill_tree
 
         kill_tree(self.proc, grace_s=5.0)
 
@@ -201,42 +200,25 @@ def cmd_train(args) -> int:
 
         config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
     _preflight(config)
-    from neuron_flows.tasks.config import plan_layout
-    from neuron_parallel.audit import audit_summary
-    from neuron_parallel.data import tokenize_data
-    from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
-    from neuron_parallel.models import resolve_model_dir
+    from neuron_flows.tasks import steps
+    from neuron_parallel.reporting import format_event
 
-    model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    ds = tokenize_data(config.library("data"), model_dir)
-    print(f"data: {audit_summary(ds.audit)}", flush=True)
-    layout, report = plan_layout(config, model_dir, ds.path)
-    if report is not None:
-        print(
-            f"plan: {layout.notes[-1]}, predicted {layout.predicted_memory_bytes / 2**30:.2f} GiB per rank", flush=True
-        )
-    job = config.to_job(model_path=model_dir, dataset_path=ds.path, eval_dataset_path=ds.eval_path, layout=layout)
-
-    def show(event: dict) -> None:
-        kind = event.pop("event")
-        if kind == "step":
-            from neuron_parallel.reporting import format_duration
-
-            eta = f" eta {format_duration(event['eta_s'])}" if "eta_s" in event else ""
-            print(
-                f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
-                f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s{eta}",
-                flush=True,
-            )
-        else:
-            print(f"{kind}: {json.dumps(event, ensure_ascii=False)}", flush=True)
-
-    launch = config.to_launch()
-    if launch.nnodes > 1 and os.environ.get(LAUNCH_FILE_ENV):
-        publish_launch(os.environ[LAUNCH_FILE_ENV], job, launch)  # the other nodes' `neuron-flows join`
-    run_torchrun(job, launch, on_event=show, on_line=lambda line: print(line, file=sys.stderr))
+    dataset = steps.tokenize(config, log=_say)
+    layout, _ = steps.plan(config, steps.model_dir(config), dataset.path, log=_say)
+    steps.train(
+        config,
+        dataset,
+        layout,
+        on_event=lambda event: _say(format_event(event)),
+        log=_say,
+        on_line=lambda line: print(line, file=sys.stderr),
+    )
     print(f"run: {config.output.dir}")
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def cmd_serve(args) -> int:
@@ -273,10 +255,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_consolidate(args) -> int:
-    from neuron_parallel.checkpoint import consolidate_checkpoint
+    from neuron_parallel.checkpoint import export_checkpoint
 
-    options = {k: getattr(args, k) for k in ("max_shard_size", "model_dir", "merge", "base_dir")}
-    out = consolidate_checkpoint(args.checkpoint, args.output, fmt=args.format, **options)
+    options = {k: getattr(args, k) for k in ("max_shard_size", "model_dir", "base_dir")}
+    kind = "merged" if args.merge else None
+    out = export_checkpoint(args.checkpoint, args.output, kind=kind, fmt=args.format, **options)
     print(f"consolidated: {out}")
     return 0
 

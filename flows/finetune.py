@@ -1,4 +1,5 @@
-"""The fine-tuning pipeline: tokenize → plan → train → validate → consolidate → upload → report."""
+"""The fine-tuning pipeline: preflight → tokenize → plan → train → validate → consolidate → upload →
+report."""
 
 from __future__ import annotations
 

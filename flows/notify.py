@@ -44,9 +44,10 @@ def failure_message(run_dir: str | Path, exc: BaseException, failed_step: str | 
     complete checkpoint (read from ``run_dir``), and the error."""
     from neuron_parallel.checkpoint import is_complete, list_checkpoints
     from neuron_parallel.reporting import read_metrics
+    from neuron_parallel.run_files import METRICS_FILE
 
     run = Path(run_dir).resolve()
-    metrics = run / "metrics.jsonl"
+    metrics = run / METRICS_FILE
     steps = [r for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
     complete = [c for c in list_checkpoints(run) if is_complete(c)]
     last = f"{steps[-1]['step']}, loss {steps[-1]['loss']:.4f}" if steps else "none (no training step finished)"

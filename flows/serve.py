@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from neuron_flows.flows.notify import WEBHOOK_ENV
+from neuron_parallel.procs import alive, die_with_parent, kill_tree, processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ROOT / "deployments" / "prefect.yaml"
@@ -171,14 +172,10 @@ def wait_healthy(api: str, proc: subprocess.Popen, timeout: float = 240, poll_s:
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
     """Start ``cmd`` in a session of its own; it gets SIGTERM when serve dies, even by SIGKILL,
     so no server or worker outlives it."""
-    from neuron_parallel.launch import die_with_parent
-
     return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    from neuron_parallel.launch import kill_tree
-
     for proc in procs:  # the worker (and any flow run it started) first, then the server
         kill_tree(proc)
 
@@ -208,28 +205,11 @@ class _Child:
         return True
 
 
-def _processes() -> list[tuple[int, str, dict[str, str]]]:
-    """(pid, command line, environment) of every live process of this user but this one (Linux)."""
-    out = []
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # exited already, waiting to be reaped
-            cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            raw = Path(entry.path, "environ").read_bytes().decode(errors="replace")
-        except OSError:  # gone meanwhile, or another user's
-            continue
-        out.append((int(entry.name), cmd, dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)))
-    return out
-
-
 def _runs_processes(serve_id: str | None = None) -> dict[str, list[tuple[int, str]]]:
     """Live processes of flow runs by run id (the flow-run process, torchrun, the ranks); with
     ``serve_id``, only those started under that serve."""
     runs: dict[str, list[tuple[int, str]]] = {}
-    for pid, cmd, env in _processes():
+    for pid, cmd, env in processes():
         if RUN_ID_ENV in env and (serve_id is None or env.get(SERVE_ID_ENV) == serve_id):
             runs.setdefault(env[RUN_ID_ENV], []).append((pid, cmd))
     return runs
@@ -244,8 +224,6 @@ def _has_flow_run_process(procs: list[tuple[int, str]]) -> bool:
 
 def _end(pids: list[int], grace_s: float = 5.0) -> None:
     """SIGTERM (torchrun passes it on to the ranks), then SIGKILL what is left after ``grace_s``."""
-    from neuron_parallel.launch import alive
-
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -398,7 +376,7 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     finally:
         _stop([child.proc for child in children])
         # Flow runs the worker started are in sessions of their own: end them and what they started.
-        _end([pid for pid, _, env in _processes() if env.get(SERVE_ID_ENV) == serve_id])
+        _end([pid for pid, _, env in processes() if env.get(SERVE_ID_ENV) == serve_id])
         print("stopped", flush=True)
 
 

@@ -19,7 +19,8 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """``count`` rows: token ids, their targets, and (document-packed data) their positions."""
+    """Rows of token ids, their targets, and (document-packed data) their positions, each
+    ``(rows, block_size)``."""
 
     inputs: torch.Tensor
     labels: torch.Tensor

@@ -211,7 +211,8 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel degree; derived from the world size by ``ParallelConfig.for_world``."""
     zero_1: bool = False
-    """Shard optimizer state (and fp32 master weights under bf16) across dp ranks."""
+    """Shard the optimizer state (AdamW's moments, SGD's momentum) across dp ranks (ZeRO-1); the
+    fp32 parameters, also the master weights under bf16, stay whole on every dp rank."""
     activation_checkpointing: int = 0
     """Recompute every k-th decoder layer in backward; 0 disables, 1 recomputes every layer."""
     mixed_precision: Precision = "fp32"
@@ -319,7 +320,8 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints in a background thread; training waits only for the host copy."""
     seed: int = 0
-    """Seeds model init (when not loading weights), data order and dropout."""
+    """Seeds the data order, dropout and the LoRA adapters' initialisation (the model's weights
+    are always loaded)."""
     global_batch_size: int = 8
     """Sequences per optimizer step, whatever the layout and the number of ranks."""
     micro_batch_size: int = 4

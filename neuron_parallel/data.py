@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from .audit import build_audit
+from .checkpoint.format import TOKENIZER_FILES
 from .config import DataConfig
 from .packing import PACK_BATCH, count_columns, document_rows, stream_rows
 from .sft import Encoder, resolve_columns
@@ -36,17 +37,6 @@ FORMAT_VERSION = 2
 INFO_FILE = "neuron_flows_dataset.json"
 AUDIT_FILE = "audit.json"
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +144,7 @@ def dataset_fingerprint(data: DataConfig, tokenizer_dir: str | Path) -> str:
         _hash_source(h, data.eval_source)
     if data.chat_template is not None:
         h.update(b"template" + sha256_file(Path(data.chat_template).expanduser()).encode())
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         p = Path(tokenizer_dir) / name
         if p.exists():
             h.update(name.encode() + sha256_file(p).encode())

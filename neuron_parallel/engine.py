@@ -1,10 +1,12 @@
 """The parallel model of one rank: its stage modules, optimizer, and one training step's
 forward, backward, gradient reduction and update.
 
-``build_engine`` applies, in order: pipeline split → tensor + sequence parallelism →
-activation checkpointing (inside the stage forward) → materialisation and weight loading →
-optimizer (ZeRO-1 over dp when asked). Everything degenerates cleanly to one rank. Reading and
-writing checkpoints is :mod:`neuron_parallel.checkpoint.engine_state`'s business.
+``build_engine`` applies, in order: pipeline split (activation checkpointing inside the stage
+forward) → LoRA adapters, when asked → tensor + sequence parallelism → materialisation and weight
+loading (then the adapters' initialisation and the frozen base) → pipeline schedule; the
+``Engine`` then builds the optimizer (ZeRO-1 over dp when asked) and the dp gradient reducer.
+Everything degenerates cleanly to one rank. Reading and writing checkpoints is
+:mod:`neuron_parallel.checkpoint.engine_state`'s business.
 """
 
 from __future__ import annotations

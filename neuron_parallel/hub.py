@@ -51,7 +51,7 @@ _XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
 _SKIPPED_DIRS = (".git",)
 _SKIPPED_PREFIXES = (".cache/huggingface/", OWNER_FILE)
 _ADAPTER_CONFIG = "adapter_config.json"
-_MERGED = "merged"  # where a LoRA run's merged model sits beside its adapter (checkpoint.adapter.MERGED_SUBDIR)
+_MERGED = "merged"  # where a LoRA run's merged model sits beside its adapter (checkpoint.export.MERGED_SUBDIR)
 
 
 @dataclass(frozen=True)

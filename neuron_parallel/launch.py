@@ -2,30 +2,31 @@
 
 torchrun runs in its own process group (session), so cancelling the caller, a Ctrl-C or an
 exception ends every rank: the group is signalled in a ``finally``, SIGTERM first, SIGKILL after
-a grace period. If the caller dies without running its ``finally`` (SIGKILL, or a signal whose
-default action ends it), the kernel sends torchrun SIGTERM (``die_with_parent``) and torchrun
-ends its ranks. Structured lines from rank 0 (``EVENT_PREFIX``) become events for the
-caller; everything else is passed through as log lines.
+a grace period (``procs.kill_tree``). If the caller dies without running its ``finally`` (SIGKILL,
+or a signal whose default action ends it), the kernel sends torchrun SIGTERM
+(``procs.die_with_parent``) and torchrun ends its ranks. Structured lines from rank 0
+(``EVENT_PREFIX``) become events for the caller; everything else is passed through as log lines.
 
 A command that spends seconds before its job is known (the flow's server start, tokenization,
 planning) can start torchrun at once with :func:`start_ready_ranks`: each rank imports torch,
 transformers and the trainer (most of a rank's start on a small model) and then waits for the
 job file; the next :func:`run_torchrun` with the same launch settings hands the job to those ranks
 instead of starting new ones.
+
+Across nodes, the first node writes its job and launch settings to shared storage
+(:func:`publish_launch`) and every other node's :func:`join` reads them and starts its own
+torchrun agent in the same rendezvous.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,30 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import JobConfig, LaunchConfig
-from .utils import write_line
+from .procs import die_with_parent, kill_tree
 
 EVENT_PREFIX = "@@neuron-flows "
 """What starts a progress event's line in a rank's output: one JSON object follows (``neuron_parallel.train``)."""
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for a child that must not outlive this process, or None where the kernel
-    has no parent-death signal (Linux only). The child gets SIGTERM when the thread that started
-    it ends, however it ends, SIGKILL included; a parent already gone by the time the child runs
-    the call is caught by comparing ``parent_pid``. The C library is loaded here, before the
-    fork, so between fork and exec the child makes only the one foreign call."""
-    if _LIBC is None:
-        return None
-
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 class TrainingFailed(RuntimeError):
@@ -71,7 +52,7 @@ class TrainResult:
     last_metrics: dict
 
 
-def _tagged(line: str, prefix: str) -> dict | None:
+def read_tagged(line: str, prefix: str) -> dict | None:
     """The JSON object a structured line carries after ``prefix``, or None. Ranks share one pipe
     and write a structured line, newline included, in one atomic write (``utils.write_line``),
     but another rank's ``print`` may have written its text and not yet its newline, so the
@@ -86,10 +67,10 @@ def _tagged(line: str, prefix: str) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _event(line: str) -> dict | None:
+def read_event(line: str) -> dict | None:
     """The progress event a line carries, or None for any other line, including an event line
     that another process's output broke into: that is output, not a reason to fail the run."""
-    event = _tagged(line, EVENT_PREFIX)
+    event = read_tagged(line, EVENT_PREFIX)
     return event if event is not None and "event" in event else None
 
 
@@ -97,75 +78,24 @@ AWAIT_JOB = "--await-job"
 """The rank's option that makes it wait for its job file to appear (:class:`ReadyRanks`)."""
 
 
-def torchrun_command(job_path: str | Path, launch: LaunchConfig, *, await_job: bool = False) -> list[str]:
-    """The torchrun command line: standalone on one node, c10d rendezvous across several.
-    ``await_job``: the ranks wait for ``job_path`` to be written."""
+def torchrun_prefix(launch: LaunchConfig) -> list[str]:
+    """torchrun and its options, up to the program it runs: standalone on one node, c10d
+    rendezvous across several."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}"]
     if launch.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        cmd += [
-            f"--nnodes={launch.nnodes}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={launch.rdzv_endpoint}",
-            f"--rdzv_id={launch.rdzv_id}",
-        ]
-    return cmd + ["-m", "neuron_parallel.train", *([AWAIT_JOB] if await_job else []), str(job_path)]
+        return cmd + ["--standalone"]
+    return cmd + [
+        f"--nnodes={launch.nnodes}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={launch.rdzv_endpoint}",
+        f"--rdzv_id={launch.rdzv_id}",
+    ]
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from /proc (Linux); just ``pid`` where /proc is absent."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                # The command name is in parentheses and may hold spaces; ppid follows it.
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` is running: it exists and has not exited (a zombie, waiting to be
-    reaped, has), from /proc (Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """End torchrun and every rank. torchrun (torch 2.13) starts each rank in a session of its
-    own, so signalling torchrun's process group does not reach the ranks: SIGTERM goes to
-    torchrun, which forwards it to the ranks; whatever is left after ``grace_s`` is SIGKILLed
-    by pid, from a list of descendants taken before anything was signalled."""
-    if proc.poll() is not None:
-        return
-    tree = process_tree(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+def torchrun_command(job_path: str | Path, launch: LaunchConfig, *, await_job: bool = False) -> list[str]:
+    """The torchrun command line of a training job (``neuron_parallel.train``). ``await_job``:
+    the ranks wait for ``job_path`` to be written."""
+    return torchrun_prefix(launch) + ["-m", "neuron_parallel.train", *([AWAIT_JOB] if await_job else []), str(job_path)]
 
 
 def run_torchrun(
@@ -196,7 +126,7 @@ def run_torchrun(
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
-            event = _event(line)
+            event = read_event(line)
             if event is not None and not line.startswith(EVENT_PREFIX):  # another rank's text first
                 line = line[: line.rfind(EVENT_PREFIX)]
                 tail.append(line)
@@ -323,121 +253,3 @@ def join(path: str | Path, *, timeout_s: float = 6 * 3600, poll_s: float = 2.0, 
         time.sleep(poll_s)
     data = json.loads(path.read_text())
     return run_torchrun(JobConfig.from_dict(data["job"]), LaunchConfig(**data["launch"]), **kwargs)
-
-
-RESULT_PREFIX = "@@neuron-ranks "
-"""A line a rank prints to report a result to ``run_ranks``: the prefix, then one JSON object
-(``{"rank": r, ...}``); ``print_rank_result`` writes it."""
-
-
-def print_rank_result(result: dict) -> None:
-    """Report ``result`` (a JSON-able dict, given this rank's ``"rank"`` if it has none) to
-    ``run_ranks``: one line in one write, so no other rank's output splits it."""
-    if "rank" not in result:
-        result = {"rank": int(os.environ.get("RANK", "0")), **result}
-    write_line(RESULT_PREFIX + json.dumps(result))
-
-
-@dataclass(frozen=True, slots=True)
-class RanksResult:
-    """What ``run_ranks`` saw: the exit status, the whole output, and the structured lines in it
-    (``events``: the training entry point's ``EVENT_PREFIX`` lines; ``results``: every rank's
-    ``RESULT_PREFIX`` lines, in the order printed)."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    events: list[dict]
-    results: list[dict]
-    timed_out: bool = False
-    seconds: float = 0.0
-
-    @property
-    def by_rank(self) -> dict[int, list[dict]]:
-        out: dict[int, list[dict]] = {}
-        for r in self.results:
-            out.setdefault(int(r["rank"]), []).append(r)
-        return out
-
-    def tail(self, chars: int = 6000) -> str:
-        """The end of both streams, for an assertion message."""
-        head = f"rc={self.returncode} timed_out={self.timed_out}"
-        return f"{head}\n--- stdout\n{self.stdout[-chars:]}\n--- stderr\n{self.stderr[-chars:]}"
-
-
-def run_ranks(
-    target: str | Path,
-    nproc: int,
-    args: list[str] | tuple[str, ...] = (),
-    *,
-    env: dict[str, str] | None = None,
-    timeout: float = 300,
-    threads: int = 1,
-    cwd: str | Path | None = None,
-    on_start: Callable[[subprocess.Popen], None] | None = None,
-) -> RanksResult:
-    """Run ``target`` on ``nproc`` local ranks under torchrun (standalone) and return what came
-    back. ``target`` is a script path (``*.py``) or a module name (run with ``-m``). The ranks get
-    ``OMP_NUM_THREADS=threads`` and unbuffered output on top of ``env``. On a timeout every rank
-    is ended (``kill_tree``) and the result has ``timed_out`` set and return code 124; nothing
-    is raised for a failing run: check ``returncode``. ``on_start(proc)``, if given, runs in a
-    thread next to the run once torchrun has started (to attach a monitor to its process tree,
-    or to kill it at a chosen moment); what it raises is raised here after the run."""
-    launch = LaunchConfig(nproc_per_node=nproc, omp_num_threads=threads)
-    cmd = torchrun_command("JOB", launch)
-    assert cmd[-3:] == ["-m", "neuron_parallel.train", "JOB"], cmd
-    target = str(target)
-    cmd = cmd[:-3] + ([target] if target.endswith(".py") else ["-m", target]) + [str(a) for a in args]
-    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    t0 = time.monotonic()
-    pipe = subprocess.PIPE
-    proc = subprocess.Popen(
-        cmd,
-        stdout=pipe,
-        stderr=pipe,
-        text=True,
-        env=child_env,
-        cwd=cwd,
-        start_new_session=True,
-        preexec_fn=die_with_parent(os.getpid()),
-    )
-    timed_out, watcher_error = False, []
-    watcher = None
-    if on_start:
-
-        def watch() -> None:
-            try:
-                on_start(proc)
-            except BaseException as e:  # re-raised in the caller once the run is over
-                watcher_error.append(e)
-
-        watcher = threading.Thread(target=watch, name="run_ranks-on_start", daemon=True)
-        watcher.start()
-    try:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_tree(proc, grace_s=5.0)
-            stdout, stderr = proc.communicate()
-    finally:
-        kill_tree(proc)
-    if watcher:
-        watcher.join()
-        if watcher_error:
-            raise watcher_error[0]
-    events, results = [], []
-    for line in stdout.splitlines():
-        if (event := _event(line)) is not None:
-            events.append(event)
-        elif (result := _tagged(line, RESULT_PREFIX)) is not None:
-            results.append(result)
-    return RanksResult(
-        returncode=124 if timed_out else proc.returncode,
-        stdout=stdout,
-        stderr=stderr,
-        events=events,
-        results=results,
-        timed_out=timed_out,
-        seconds=time.monotonic() - t0,
-    )

@@ -1,4 +1,5 @@
-"""Optimizer construction, the learning-rate schedule, gradient reduction and clipping."""
+"""Optimizer construction, the learning-rate schedule and gradient clipping. The dp gradient
+reduction is ``neuron_parallel.parallel.data_parallel.GradReducer``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig
-from .parallel.data_parallel import BUCKET_BYTES, GradReducer
 from .parallel.dtensor import local
 from .parallel.zero import Zero1Optimizer
 
@@ -55,15 +55,6 @@ def build_optimizer(named_params: list, cfg: TrainConfig, *, fused: bool, dp_gro
     if dp_group is not None:
         return Zero1Optimizer(named_params, groups, cls, dp_group=dp_group, **defaults)
     return cls(groups, **defaults)
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter], group, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Average gradients over a data-parallel group now, in flat buckets (one collective per
-    bucket rather than per tensor). Sum then divide: gloo has no AVG or PREMUL_SUM reduction.
-    Training overlaps the same reduction with backward instead (:class:`GradReducer`)."""
-    if world == 1:
-        return
-    GradReducer(params, group, world, bucket_bytes=bucket_bytes, hooks=False).finish()
 
 
 def _counted_here(p: torch.Tensor) -> bool:

@@ -1,5 +1,7 @@
 """Where each step's metrics go besides ``metrics.jsonl``: TensorBoard event files and an MLflow
-run (``train.report_to``), and the estimate of the time left that step events carry.
+run (``train.report_to``); the estimate of the time left that step events carry; reading
+``metrics.jsonl`` back (``read_metrics``) and drawing its loss curve (``loss_curve_png``). The
+run directory's file names are ``neuron_parallel.run_files``'.
 
 Only global rank 0 reports: every record it holds is the one it writes to ``metrics.jsonl``
 (losses are all-reduced, so rank 0 holds them whatever the layout, pipeline stages included).
@@ -20,6 +22,7 @@ Only global rank 0 reports: every record it holds is the one it writes to ``metr
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import resource
@@ -27,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .run_files import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB, MLFLOW_RUN_FILE, TENSORBOARD_DIR
 
 SCALARS = {
     "loss": "train/loss",
@@ -38,9 +43,6 @@ SCALARS = {
     "peak_memory_bytes": "memory/peak_bytes",
 }
 """Record field → tag (TensorBoard) and metric name (MLflow)."""
-TENSORBOARD_DIR = "tensorboard"
-MLFLOW_DB = "mlflow.db"
-MLFLOW_RUN_FILE = "mlflow_run.json"
 MLFLOW_EXPERIMENT = "neuron-flows"
 _MAX_PARAM_CHARS = 6000  # MLflow refuses longer param values (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH)
 
@@ -171,7 +173,8 @@ class _MLflow:
         elif os.environ.get("MLFLOW_TRACKING_URI"):
             experiment_id = self.client.create_experiment(name)
         else:  # the store's default artifact root is relative to the working directory: keep it in the run
-            experiment_id = self.client.create_experiment(name, artifact_location=(run_dir / "mlartifacts").as_uri())
+            artifacts = (run_dir / MLFLOW_ARTIFACTS_DIR).as_uri()
+            experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
         tags = {"run_dir": str(run_dir.resolve()), "mlflow.source.name": "neuron-flows"}
         return self.client.create_run(experiment_id, run_name=run_dir.resolve().name, tags=tags).info.run_id
 
@@ -270,3 +273,58 @@ def read_metrics(path: str | Path) -> list[dict]:
         if isinstance(record, dict) and "step" in record:
             records.append(record)
     return records
+
+
+def loss_curve_png(metrics: list[dict]) -> bytes:
+    """The loss (train, and eval where recorded) and the learning rate per optimizer step of
+    ``metrics`` (``read_metrics``' records) as a PNG: the run summary embeds it and the model card
+    shows it (``run_files.LOSS_CURVE_FILE``). matplotlib is imported only here."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=90)
+    ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", lw=1.5, label="train")
+    evals = [m for m in metrics if "eval_loss" in m]
+    if evals:
+        eval_steps = [m["step"] for m in evals]
+        ax.plot(eval_steps, [m["eval_loss"] for m in evals], "o-", color="tab:green", lw=1.5, label="eval")
+        ax.legend(loc="upper center", frameon=False)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.grid(alpha=0.3)
+    lr = ax.twinx()
+    lr.plot(steps, [m["lr"] for m in metrics], color="tab:orange", lw=1, alpha=0.7)
+    lr.set_ylabel("learning rate", color="tab:orange")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def format_event(event: dict) -> str:
+    """One progress event of the ranks (``neuron_parallel.train``'s ``emit``) as the line the CLI
+    prints and the train step logs."""
+    kind, fields = event["event"], {k: v for k, v in event.items() if k != "event"}
+    if kind == "step":
+        eta = f" eta {format_duration(event['eta_s'])}" if "eta_s" in event else ""
+        return (
+            f"step {event['step']}/{event['max_steps']} loss {event['loss']:.4f} "
+            f"lr {event['lr']:.2e} {event['tokens_per_s']:.0f} tok/s{eta}"
+        )
+    if kind == "eval":
+        return f"step {event['step']} eval loss {event['eval_loss']:.4f} ({event['eval_tokens']} tokens)"
+    if kind == "early_stop":
+        return f"early stop at step {event['step']}: {event['reason']}"
+    if kind == "resumed":
+        return f"resumed from step {event['step']} ({event['checkpoint']})"
+    if kind == "memory":
+        return "; ".join(
+            f"rank {r['rank']} peak tensor memory {r['measured_bytes'] / 2**20:.1f} MiB, predicted "
+            f"{r['predicted_bytes'] / 2**20:.1f} MiB ({100 * (r['predicted_bytes'] / r['measured_bytes'] - 1):+.1f}%)"
+            for r in event["ranks"]
+        )
+    return f"{kind}: {json.dumps(fields, ensure_ascii=False)}"

@@ -1,8 +1,19 @@
-"""Policy shared by the pipeline's tasks."""
+"""Policy shared by the pipeline's tasks, and the Hub token as the flow finds it."""
 
 import logging
+import os
 
 from prefect.cache_policies import DEFAULT
+
+
+def hub_token(config) -> str | None:
+    """The Hub token from the Prefect Secret block ``hub.token_secret`` names, else HF_TOKEN. Never
+    a flow parameter, never logged."""
+    if config.hub.token_secret:
+        from prefect.blocks.system import Secret
+
+        return Secret.load(config.hub.token_secret).get()
+    return os.environ.get("HF_TOKEN")
 
 
 def _retry_unless_bad_input(task, task_run, state) -> bool:

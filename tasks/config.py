@@ -6,6 +6,10 @@ so each field, its default and its docstring are written once. This module adds 
 belongs to the boundary: ``auto`` for the fields the planner chooses (``PLANNED_FIELDS``), the
 output paths, the Hub, and the launch's retries and hardware kind. ``FinetuneConfig.to_job`` is
 the one place it becomes the library's ``JobConfig``.
+
+Schema and loading only, with the checks that need nothing but the config itself: the layout is
+chosen by the plan step and the machine, the files and the Hub are checked by the preflight step
+(``tasks.steps``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,8 @@ from neuron_parallel.config import (
     TrainConfig,
     check_eval,
 )
-from neuron_parallel.planning.layout import CheckedLayout, check_layout
-from neuron_parallel.planning.resolve import DEVICE_HARDWARE, ResolvedLayout, check_pinned, resolve_layout
-from neuron_parallel.planning.search import FIXABLE, LayoutSearch
+from neuron_parallel.planning.layout import CheckedLayout
+from neuron_parallel.planning.resolve import DEVICE_HARDWARE, ResolvedLayout, check_pinned, pinned_layout
 
 AUTO = "auto"
 DERIVED = {
@@ -232,8 +235,9 @@ class FinetuneConfig(_Section):
                 "checkpoint-<step> folders, or unset it"
             )
         check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
-        if set(FIXABLE) <= set(self.pinned()):  # everything pinned: the batch rule is checkable now
-            self.to_job(model_path="", dataset_path="", layout=self.resolve(""))
+        layout = self.pinned_layout()
+        if layout is not None:  # everything pinned: the batch rule is checkable now
+            self.to_job(model_path="", dataset_path="", layout=layout)
         return self
 
     def library(self, section: str, **auto: Any):
@@ -273,20 +277,14 @@ class FinetuneConfig(_Section):
     def consolidated_path(self) -> str:
         return self.output.consolidated_dir or str(Path(self.output.dir) / "consolidated")
 
-    def resolve(self, model_dir: str) -> ResolvedLayout:
-        """The layout and micro batch of this run on ``model_dir``'s model (the planner fills
-        what is ``auto``, for full fine-tuning or ``train.lora``, within ``launch.memory_fraction``)."""
-        return resolve_layout(
-            model_dir,
+    def pinned_layout(self) -> ResolvedLayout | None:
+        """The layout as the config gives it when it pins every planned field; None when the plan
+        step's search fills some (``tasks.steps.plan``)."""
+        return pinned_layout(
             self.pinned(),
-            launch=self.to_launch(),
-            hardware=self.launch.hardware,
-            seq_len=self.data.block_size,
-            global_batch_size=self.train.global_batch_size,
+            world_size=self.world_size,
             mixed_precision=self.parallel.mixed_precision,
             layer_split=self.parallel.layer_split,
-            lora=self.library("train", micro_batch_size=1).lora,
-            memory_fraction=self.launch.memory_fraction,
         )
 
     def to_job(
@@ -298,7 +296,7 @@ class FinetuneConfig(_Section):
         eval_dataset_path: str | None = None,
     ) -> JobConfig:
         """The library's view of this run, given the resolved model and dataset locations and the
-        layout (``resolve``, or ``plan_layout``'s checked one)."""
+        layout (``pinned_layout``, or the plan step's checked one)."""
         return JobConfig(
             model_path=model_path,
             dataset_path=dataset_path,
@@ -348,48 +346,6 @@ class FinetuneConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ValueError(_explain(e)) from None
-
-
-def plan_layout(
-    config: FinetuneConfig, model_dir: str, dataset_path: str = ""
-) -> tuple[CheckedLayout, LayoutSearch | None]:
-    """The layout this run trains with, checked against the model, and the search that chose it
-    (None when the config pinned every planned field). Raises ``ValueError`` naming the fix."""
-    resolved = config.resolve(model_dir)
-    checked = check_layout(config.to_job(model_path=model_dir, dataset_path=dataset_path, layout=resolved))
-    best = resolved.chosen
-    if best is None:
-        return checked, None
-    note = f"chosen by the planner for {config.hardware}: {best.describe()}"
-    return dataclasses.replace(
-        checked,
-        predicted_memory_bytes=best.memory_per_rank_bytes,
-        predicted_tokens_per_s=best.tokens_per_s,
-        notes=[*checked.notes, note],
-    ), resolved.search
-
-
-def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upload: bool = False) -> None:
-    """Every check that needs this machine, the model's or the data's files or the Hub, made
-    before any data is read or any rank starts: the CLI makes it before it starts anything, the
-    flow as its first step. A Hub model is checked by the plan step once fetched. Raises
-    ``ValueError`` naming the key and the fix."""
-    from neuron_parallel.data import local_data_files
-    from neuron_parallel.models import resolve_model_dir
-    from neuron_parallel.preflight import check_device, check_hub, check_model_dir
-    from neuron_parallel.utils import names_local_path
-
-    check_device(config.to_launch())
-    for source in (config.data.source, config.data.eval_source):
-        if source is not None:
-            local_data_files(source)
-    name = config.model.name_or_path
-    if Path(name).expanduser().exists() or names_local_path(name):
-        model_dir = resolve_model_dir(name)  # a local path: refused here if it is not a model directory
-        check_model_dir(model_dir)
-        plan_layout(config, model_dir)
-    if check_upload and config.hub.repo_id:
-        check_hub(config.hub.endpoint, config.hub.repo_id, hub_token)
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:

@@ -1,38 +1,25 @@
-"""Consolidate the validated checkpoint into a Hugging Face model directory (LoRA runs: the peft
-adapter, the merged model or both, as ``hub.upload`` says)."""
+"""The consolidate step as a Prefect task (``tasks.steps.consolidate``), in the flow's transaction
+with the upload: its rollback removes what it wrote when the upload fails."""
 
 import shutil
 
 from prefect import get_run_logger, task
 from prefect.transactions import get_transaction
 
-from neuron_parallel.checkpoint import consolidate_checkpoint
-from neuron_parallel.checkpoint.adapter import export_lora
 from neuron_parallel.checkpoint.output import is_ours
 
+from . import steps
 from .common import STEP_POLICY
 from .config import FinetuneConfig
 
 
 @task(name="consolidate", **STEP_POLICY)
 def consolidate(config: FinetuneConfig, checkpoint: str) -> str:
-    formats = {"fmt": config.output.format, "max_shard_size": config.output.max_shard_size}
-    if config.train.lora is None:
-        out = consolidate_checkpoint(checkpoint, config.consolidated_path, **formats)
-    else:
-        out = export_lora(
-            checkpoint,
-            config.consolidated_path,
-            kind=config.hub.upload,
-            base_model_name=config.model.name_or_path,
-            base_model_revision=config.model.revision,
-            **formats,
-        )
+    out = steps.consolidate(config, checkpoint, log=get_run_logger().info)
     txn = get_transaction()
     if txn is not None:
-        txn.set("model_dir", str(out))
-    get_run_logger().info("consolidated %s -> %s", checkpoint, out)
-    return str(out)
+        txn.set("model_dir", out)
+    return out
 
 
 @consolidate.on_rollback

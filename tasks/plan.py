@@ -1,14 +1,14 @@
-"""Choose (auto fields) or check the parallel layout against the model and the world size."""
+"""The plan step as a Prefect task (``tasks.steps.plan``), publishing the ranking as a table."""
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from neuron_parallel.data import TokenizedDataset
-from neuron_parallel.models import resolve_model_dir
 from neuron_parallel.planning.layout import CheckedLayout
 
+from . import steps
 from .common import STEP_POLICY
-from .config import FinetuneConfig, plan_layout
+from .config import FinetuneConfig
 
 GiB = 1 << 30
 
@@ -16,8 +16,7 @@ GiB = 1 << 30
 @task(name="plan", **STEP_POLICY)
 def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
     log = get_run_logger()
-    model_dir = resolve_model_dir(config.model.name_or_path, config.model.revision)
-    layout, search = plan_layout(config, model_dir, dataset.path)
+    layout, search = steps.plan(config, steps.model_dir(config), dataset.path, log=log.info)
     pc = layout.parallel
     chosen = {
         "dp": pc.dp,
@@ -45,7 +44,7 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
                 f"fixed in the config: {config.pinned() or 'nothing'}"
             ),
         )
-    log.info("plan: %s %s", chosen, "; ".join(layout.notes))
+    log.info("layout: %s", chosen)
     return layout
 
 

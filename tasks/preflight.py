@@ -1,14 +1,13 @@
-"""Refuse, before any data is read, a run that the machine, the model's or the data's files or
-the Hub already show cannot work."""
+"""The preflight step as a Prefect task (``tasks.steps.preflight``): never retried, since what it
+refuses fails the same way every time."""
 
 from prefect import task
 
-from .common import remember_failed_step
+from . import steps
+from .common import hub_token, remember_failed_step
 from .config import FinetuneConfig
-from .config import preflight as check_run
-from .upload import hub_token
 
 
 @task(name="preflight", retries=0, on_failure=[remember_failed_step])
 def preflight(config: FinetuneConfig) -> None:
-    check_run(config, hub_token=hub_token(config), check_upload=True)
+    steps.preflight(config, hub_token=hub_token(config), check_upload=True)

@@ -1,9 +1,10 @@
-"""Sharded checkpoints: atomic save, resume on any topology, validation, consolidation, LoRA
-adapter export and merge.
+"""Sharded checkpoints: atomic save, resume on any topology, validation, and export to a Hugging
+Face model directory (a full fine-tuning checkpoint, ours or optimum-neuron's; a LoRA checkpoint's
+peft adapter, or its base model with the adapters merged in).
 
 The names below are imported on first use (PEP 562), so that a caller that needs only the
 format (``is_complete``, ``list_checkpoints``: the flow's failure report) does not import torch,
-DTensor and the optimizer code behind saving and consolidation.
+DTensor and the optimizer code behind saving and export.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ _WHERE = {
     "CheckpointTensors": "tensors",
     "HFWeights": "tensors",
     "Manifest": "format",
-    "consolidate_checkpoint": "consolidate",
-    "export_adapter": "adapter",
+    "export_checkpoint": "export",
     "is_complete": "format",
     "list_checkpoints": "format",
-    "merge_adapter": "adapter",
     "resolve_checkpoint": "format",
     "validate_checkpoint": "validate",
 }

@@ -1,61 +1,54 @@
-"""LoRA checkpoints out: a peft adapter directory, or the base model with the adapters merged in.
+"""LoRA checkpoints as tensor sources for ``hf_dir.py``: the peft adapter, or the base model with
+the adapters merged in.
 
 A LoRA checkpoint (``Manifest.adapter`` set) holds only what was trained: ``<layer>.lora_A``
 (r × in) and ``<layer>.lora_B`` (out × r) of every targeted projection, and the ``modules_to_save``
-weights (a tied lm_head under ``model.embed_tokens.weight``). Two ways out, both through the
-streaming writer of ``consolidate.py``:
+weights (a tied lm_head under ``model.embed_tokens.weight``). Two ways out:
 
-* :func:`export_adapter`: peft's format, so ``PeftModel.from_pretrained(base, dir)`` loads it.
-  ``adapter_config.json`` carries peft's ``LoraConfig`` fields; ``adapter_model.safetensors`` keys
-  are the module paths under ``base_model.model.`` with peft's ``.weight`` suffix
-  (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and a module to save is
-  keyed by its plain weight name (``base_model.model.lm_head.weight``), which is how peft's
-  ``get_peft_model_state_dict`` writes them. On a tied model the trained embedding is the head
-  too: peft ties the two with ``ensure_weight_tying`` and saves the weight under both names.
-* :func:`merge_adapter`: a full Hugging Face model, every tensor streamed from the base model's
-  safetensors (refused unless its digest is the one the manifest recorded), ``W + (alpha / r) B A``
-  computed in fp32 and cast back to the base dtype for targeted weights, ``modules_to_save``
-  replaced by the trained ones.
+* :class:`AdapterSource`: peft's format, so ``PeftModel.from_pretrained(base, dir)`` loads it.
+  ``adapter_config.json`` carries peft's ``LoraConfig`` fields (:func:`peft_config`);
+  ``adapter_model.safetensors`` keys are the module paths under ``base_model.model.`` with peft's
+  ``.weight`` suffix (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and a
+  module to save is keyed by its plain weight name (``base_model.model.lm_head.weight``), which is
+  how peft's ``get_peft_model_state_dict`` writes them. On a tied model the trained embedding is
+  the head too: peft ties the two with ``ensure_weight_tying`` and saves the weight under both
+  names.
+* :class:`MergedSource`: a full Hugging Face model, every tensor streamed from the base model's
+  safetensors (refused unless its digest is the one the manifest recorded: :func:`base_model_dir`),
+  ``W + (alpha / r) B A`` computed in fp32 and cast back to the base dtype for targeted weights,
+  ``modules_to_save`` replaced by the trained ones.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from ..utils import atomic_write, fsync_path
-from .consolidate import write_hf_dir, write_safetensors
-from .format import HF_FILES, MANIFEST, Manifest, base_model_identity, confined, resolve_checkpoint
-from .output import claim_output_dir, is_ours
-from .tensors import CheckpointTensors, HFWeights, dtype_from_name
-from .validate import MODULE_WEIGHTS, lora_targets, saved_module_names, validate_checkpoint, verify_checksums
+from .dtypes import dtype_from_name
+from .format import (
+    TOKENIZER_FILES,
+    Manifest,
+    base_model_identity,
+    check_base_model,
+    model_files,
+    resolve_checkpoint,
+)
+from .shapes import MODULE_WEIGHTS, lora_targets, saved_module_names
+from .tensors import CheckpointTensors, HFWeights
+from .validate import validate_checkpoint, verify_checksums
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
-    "MERGED_SUBDIR",
     "AdapterSource",
     "MergedSource",
-    "export_adapter",
-    "export_lora",
-    "merge_adapter",
+    "base_model_dir",
+    "open_adapter_checkpoint",
     "peft_config",
     "peft_name",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-MERGED_SUBDIR = "merged"
-"""Where ``export_lora(kind="both")`` puts the merged model, beside the adapter."""
 PEFT_PREFIX = "base_model.model."
-_MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "*.index.json", "pytorch_model*.bin")
-_TOKENIZER_FILES = tuple(n for n in HF_FILES if n not in ("config.json", "generation_config.json"))
-
-Kind = Literal["adapter", "merged", "both"]
 
 
 def open_adapter_checkpoint(path: str | Path) -> CheckpointTensors:
@@ -123,10 +116,12 @@ def peft_config(
 
 
 class AdapterSource:
-    """The adapters and modules to save of a LoRA checkpoint under peft's names, for the writer."""
+    """The adapters and modules to save of a LoRA checkpoint under peft's names, for the writer,
+    with the tokenizer files of the checkpoint (or of ``model_dir``, the user's model directory)."""
 
-    def __init__(self, tensors: CheckpointTensors) -> None:
+    def __init__(self, tensors: CheckpointTensors, model_dir: str | Path | None = None) -> None:
         self.tensors = tensors
+        self._model_dir = model_dir
         self.model_config = tensors.manifest.model_config
         vocab = self.model_config.get("vocab_size")
         tied = bool(self.model_config.get("tie_word_embeddings"))
@@ -150,46 +145,15 @@ class AdapterSource:
         name, shape = self._names[key]
         return self.tensors.read(name, [0] * len(shape), shape)
 
-
-def export_adapter(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    *,
-    base_model_name: str | None = None,
-    base_model_revision: str | None = None,
-    model_dir: str | Path | None = None,
-) -> Path:
-    """Write the LoRA checkpoint at ``checkpoint`` as a peft adapter directory: ``adapter_config.json``,
-    ``adapter_model.safetensors`` and the tokenizer files (the checkpoint's, or ``model_dir``'s),
-    nothing else; stale model files in ``out_dir`` are removed. ``base_model_name`` is what
-    ``base_model_name_or_path`` says (default: the base model directory the manifest records),
-    ``base_model_revision`` its Hub revision."""
-    tensors = open_adapter_checkpoint(checkpoint)
-    out = claim_output_dir(out_dir)
-    _remove(out, _MODEL_FILES)
-    source = AdapterSource(tensors)
-    write_safetensors(out / ADAPTER_WEIGHTS, source.plan(), source)
-    config = peft_config(tensors.manifest, base_model_name, base_model_revision)
-    atomic_write(out / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for src in _model_files(tensors.root, model_dir, _TOKENIZER_FILES):
-        atomic_write(out / src.name, src.read_bytes())
-    fsync_path(out)
-    return out
-
-
-def _model_files(ckpt: Path, model_dir: str | Path | None, names) -> list[Path]:
-    """The files ``names`` present in ``model_dir`` (the user's model directory), else in the
-    checkpoint, where none may lead out of it."""
-    if model_dir is not None:
-        return [Path(model_dir) / n for n in names if (Path(model_dir) / n).is_file()]
-    return [p for n in names if (p := confined(ckpt, n, f"{ckpt / MANIFEST}: model file")).is_file()]
+    def hf_files(self) -> list[Path]:
+        return model_files(self.tensors.root, self._model_dir, TOKENIZER_FILES)
 
 
 class MergedSource:
     """The base model with a checkpoint's adapters merged in, as a ``TensorSource``: the base's
     tensors in its order, names, shapes and dtypes, read row block by row block."""
 
-    def __init__(self, tensors: CheckpointTensors, base_dir: Path, model_dir: Path | None = None) -> None:
+    def __init__(self, tensors: CheckpointTensors, base_dir: Path, model_dir: str | Path | None = None) -> None:
         self.tensors = tensors
         self.base = HFWeights(base_dir)
         self.model_config = tensors.manifest.model_config
@@ -272,12 +236,13 @@ class MergedSource:
         return [self.base.byte_range(name)]
 
     def hf_files(self) -> list[Path]:
-        return _model_files(self.tensors.root, self._model_dir, HF_FILES)
+        return model_files(self.tensors.root, self._model_dir)
 
 
-def check_base_model(tensors: CheckpointTensors, base_dir: str | Path | None) -> Path:
+def base_model_dir(tensors: CheckpointTensors, base_dir: str | Path | None) -> Path:
     """The base model directory to merge into: ``base_dir``, or the one the manifest records.
-    Refuses one that is missing or whose weights are not the ones the adapters were trained on."""
+    Refuses one that is missing or whose weights are not the ones the adapters were trained on
+    (:func:`~.format.check_base_model`)."""
     recorded = tensors.manifest.adapter["base_model"]
     base = Path(base_dir if base_dir is not None else recorded["name_or_path"])
     if not base.is_dir() or not any(base.glob("*.safetensors")):
@@ -285,68 +250,5 @@ def check_base_model(tensors: CheckpointTensors, base_dir: str | Path | None) ->
             f"base model {base} is not a directory with safetensors weights; pass --base-dir (base_dir=) "
             f"pointing at the base model the adapters were trained on ({recorded['name_or_path']})"
         )
-    digest = base_model_identity(base)["sha256"]
-    if digest != recorded["sha256"]:
-        raise ValueError(
-            f"base model {base} holds other weights (sha256 {digest[:12]}…) than the adapters of "
-            f"{tensors.root} were trained on ({recorded['name_or_path']}, sha256 {recorded['sha256'][:12]}…); "
-            "pass --base-dir (base_dir=) pointing at that original base model"
-        )
+    check_base_model(tensors.manifest, base_model_identity(base))
     return base
-
-
-def merge_adapter(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    base_dir: str | Path | None = None,
-    *,
-    fmt: str = "safetensors",
-    max_shard_size: str | int = "5GB",
-    model_dir: str | Path | None = None,
-) -> Path:
-    """Write the base model with the LoRA checkpoint's adapters merged in, as a Hugging Face model
-    directory (config and tokenizer from the checkpoint, or ``model_dir``), streamed tensor by
-    tensor. ``base_dir`` defaults to the base model the manifest records; its weights must have
-    the recorded digest."""
-    tensors = open_adapter_checkpoint(checkpoint)
-    base = check_base_model(tensors, base_dir)
-    source = MergedSource(tensors, base, Path(model_dir) if model_dir is not None else None)
-    out = Path(out_dir)
-    if out.is_dir():
-        _remove(out, (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
-    return write_hf_dir(source, out, fmt=fmt, max_shard_size=max_shard_size)
-
-
-def export_lora(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    *,
-    kind: Kind = "adapter",
-    base_model_name: str | None = None,
-    base_model_revision: str | None = None,
-    fmt: str = "safetensors",
-    max_shard_size: str | int = "5GB",
-) -> Path:
-    """What a LoRA run publishes, in ``out_dir``: the peft adapter (``kind="adapter"``), the merged
-    model (``"merged"``), or the adapter with the merged model in ``out_dir/merged/`` (``"both"``).
-    ``base_model_name`` / ``base_model_revision``: how the adapter's config names its base model
-    (e.g. the run's ``model.name_or_path``); merging always reads the base the manifest records."""
-    if kind not in ("adapter", "merged", "both"):
-        raise ValueError(f"hub.upload {kind!r} is not one of adapter, merged, both")
-    out = claim_output_dir(out_dir)
-    merged = out / MERGED_SUBDIR
-    if kind != "both" and is_ours(merged):
-        shutil.rmtree(merged)  # an earlier attempt's
-    if kind == "merged":
-        return merge_adapter(checkpoint, out, fmt=fmt, max_shard_size=max_shard_size)
-    export_adapter(checkpoint, out, base_model_name=base_model_name, base_model_revision=base_model_revision)
-    if kind == "both":
-        merge_adapter(checkpoint, merged, fmt=fmt, max_shard_size=max_shard_size)
-    return out
-
-
-def _remove(out: Path, patterns: tuple[str, ...]) -> None:
-    for pattern in patterns:
-        for stale in out.glob(pattern):
-            if stale.is_file():
-                stale.unlink()

@@ -67,17 +67,6 @@ def adapter_meta(engine, base: dict) -> dict | None:
     return {"lora": dataclasses.asdict(engine.lora), "base_model": base}
 
 
-def check_base_model(manifest, base: dict) -> None:
-    """Refuse to resume a LoRA checkpoint on another base model than the one it was trained on."""
-    saved = (manifest.adapter or {}).get("base_model")
-    if saved and saved["sha256"] != base["sha256"]:
-        raise ValueError(
-            f"the checkpoint's adapters were trained on the base model {saved['name_or_path']} (weights sha256 "
-            f"{saved['sha256'][:12]}…) but model.name_or_path {base['name_or_path']} holds other weights "
-            f"({base['sha256'][:12]}…); point model.name_or_path at the original base, or start a new run"
-        )
-
-
 def load_engine_state(engine, tensors, step: int) -> None:
     """Restore ``engine``'s parameters and optimizer state from ``CheckpointTensors`` written
     at optimizer step ``step``. Under LoRA only the trainable tensors come from the checkpoint;

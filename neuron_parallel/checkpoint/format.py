@@ -1,4 +1,5 @@
-"""The on-disk checkpoint format and how to find checkpoints in a run directory.
+"""The on-disk checkpoint format, how to find checkpoints in a run directory, the model files a
+checkpoint carries, and the identity of a LoRA checkpoint's base model.
 
 ```
 run_dir/checkpoint-<step>/
@@ -36,17 +37,21 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 COMPLETE = "COMPLETE"
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "tokenizer.model",
+    "added_tokens.json",
     "vocab.json",
     "merges.txt",
+    "tokenizer.model",
     "chat_template.jinja",
+    "chat_template.json",
 )
+"""The files a Hugging Face tokenizer is saved as (a model directory has some of them): copied into
+checkpoints and exports, and hashed, in this order, into the tokenized dataset's fingerprint."""
+HF_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+"""The files besides the weights that a checkpoint copies from its model and an export writes."""
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -67,6 +72,14 @@ def confined(root: str | Path, rel: Any, what: str, *, also: Iterable[Path] = ()
         if target.is_relative_to(folder.resolve()):
             return path
     raise ValueError(f"{what} {rel!r} resolves to {target}, outside {root}; only {allowed} is allowed")
+
+
+def model_files(ckpt: Path, model_dir: str | Path | None, names: Iterable[str] = HF_FILES) -> list[Path]:
+    """The files ``names`` present in ``model_dir`` (the user's model directory), else in the
+    checkpoint folder ``ckpt``, where none may lead out of it."""
+    if model_dir is not None:
+        return [Path(model_dir) / n for n in names if (Path(model_dir) / n).is_file()]
+    return [p for n in names if (p := confined(ckpt, n, f"{ckpt / MANIFEST}: model file")).is_file()]
 
 
 def shard_dir(tp_rank: int, pp_rank: int) -> str:
@@ -194,8 +207,22 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def base_model_identity(model_path: str | Path) -> dict:
     """What a LoRA checkpoint records of its frozen base: the model's path or name and a digest
-    of its weight files' contents (checked when the run resumes)."""
+    of its weight files' contents (see :func:`check_base_model`)."""
     h = hashlib.sha256()
     for f in sorted(Path(model_path).glob("*.safetensors")):
         h.update(f.name.encode() + sha256_file(f).encode())
     return {"name_or_path": str(model_path), "sha256": h.hexdigest()}
+
+
+def check_base_model(manifest: Manifest, base: dict) -> None:
+    """Refuse a LoRA checkpoint's adapters on another base model than the one they were trained
+    on, whether to resume training or to merge them: ``base`` is the base model at hand, as
+    :func:`base_model_identity` describes it. A full fine-tuning checkpoint has no base to check."""
+    saved = (manifest.adapter or {}).get("base_model")
+    if saved and saved["sha256"] != base["sha256"]:
+        raise ValueError(
+            f"base model {base['name_or_path']} holds other weights (sha256 {base['sha256'][:12]}…) than the "
+            f"checkpoint's adapters were trained on ({saved['name_or_path']}, sha256 {saved['sha256'][:12]}…); "
+            "to resume, point model.name_or_path at that original base model or start a new run; to merge, "
+            "pass --base-dir (base_dir=) pointing at it"
+        )

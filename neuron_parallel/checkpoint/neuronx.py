@@ -51,7 +51,7 @@ from .neuronx_layout import (
     _vocab_trimmed,
     query_head_order,
 )
-from .validate import expected_shapes
+from .shapes import expected_shapes
 
 _Entry = tuple[str, list[int], torch.dtype, Callable[[], torch.Tensor]]
 MAX_TP = 4096
@@ -73,7 +73,7 @@ def _first_missing(present, tp: int, pp: int, limit: int):
 
 class NeuronxCheckpoint:
     """An optimum-neuron / neuronx-distributed checkpoint as a ``TensorSource`` for the
-    streaming writer in ``consolidate.py``. Construction validates (done marker, every rank file
+    streaming writer in ``hf_dir.py``. Construction validates (done marker, every rank file
     of the tp × pp grid, metadata, xser tensor files, shapes against the model config) and
     raises ``ValueError`` naming every problem found."""
 

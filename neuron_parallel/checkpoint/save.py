@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..parallel.dtensor import local_view
 from ..utils import atomic_write, fsync_path, sha256_file
+from .dtypes import dtype_name
 from .format import (
     COMPLETE,
     HF_FILES,
@@ -49,7 +50,6 @@ from .format import (
     model_file,
     optim_file,
 )
-from .tensors import dtype_name
 
 __all__ = ["CheckpointSaveFailed", "CheckpointWriter", "sha256_file"]
 

@@ -73,7 +73,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _write_behind(fd: int, data: memoryview, offset: int) -> None:
+def write_behind(fd: int, data: memoryview, offset: int) -> None:
     """Write a range no other piece shares, and start its writeback now: on Linux,
     ``POSIX_FADV_DONTNEED`` first hands the range's dirty pages to the disk without waiting
     (then drops those already clean), so the disk writes while the pass goes on and the final
@@ -83,7 +83,7 @@ def _write_behind(fd: int, data: memoryview, offset: int) -> None:
         os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
 
 
-def _box_writer(target: Target, offsets: list[int], shape: list[int]) -> Callable[[int, memoryview], None]:
+def box_writer(target: Target, offsets: list[int], shape: list[int]) -> Callable[[int, memoryview], None]:
     """Rows of a piece that holds a sub-range of the inner dims: each chunk of whole piece rows is
     copied into a memory map of the output rows it lands in (page-aligned, closed after the copy,
     so mapped memory stays at one window)."""
@@ -117,9 +117,9 @@ def _span(begin: int, target: Target, piece: Piece) -> _Span:
     rows = min(piece.shape[0], target.shape[0] - piece.offsets[0])
     if list(piece.shape[1:]) == list(target.shape[1:]):  # whole rows: one contiguous output range
         dst = target.offset + piece.offsets[0] * target.row_bytes
-        return _Span(begin, rows * piece_row, BLOCK_BYTES, lambda at, data: _write_behind(target.fd, data, dst + at))
+        return _Span(begin, rows * piece_row, BLOCK_BYTES, lambda at, data: write_behind(target.fd, data, dst + at))
     chunk = max(1, BLOCK_BYTES // max(1, target.row_bytes)) * piece_row
-    return _Span(begin, rows * piece_row, chunk, _box_writer(target, piece.offsets, piece.shape))
+    return _Span(begin, rows * piece_row, chunk, box_writer(target, piece.offsets, piece.shape))
 
 
 def plan_spans(tensors: CheckpointTensors, targets: dict[str, Target]) -> dict[str, list[_Span]]:

@@ -38,11 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..planning.memory import BUCKET_BYTES
 from .dtensor import local, with_local
-
-BUCKET_BYTES = 32 << 20
-"""Default bucket size. Smaller buckets start earlier in backward (more overlap) but are more
-collectives; DDP's default is 25 MiB."""
 
 
 def plan_buckets(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter]]:

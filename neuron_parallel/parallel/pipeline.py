@@ -14,9 +14,11 @@ tensor parallelism: ``PipelineStage`` must see the final modules. Everything her
 point-to-point ops and all-reduce on the pp process group, so it runs unchanged on gloo, nccl
 and the neuron backend.
 
-Per rank, in order: ``build_stages`` → TP plan → ``materialize`` + ``load_weights`` → ``train()``
-→ ``PipelineRunner`` → per optimizer step, ``step`` once per accumulation micro-batch (every pp
-rank calls it), ``sum_tied_embedding_grads`` if the embeddings are tied, dp reduction, optimizer.
+Per rank, in order (``neuron_parallel.engine``): ``build_stages`` → LoRA adapters, if any → TP
+plan → ``materialize`` + ``load_weights`` → ``train()`` → ``PipelineRunner`` → per optimizer step,
+``step`` once per accumulation micro-batch (every pp rank calls it; the last one's backward starts
+the dp reduction), then the dp reduction finished, ``sum_tied_embedding_grads`` if the embeddings
+are tied, the optimizer.
 Activations crossing stages should be plain tensors (TP layers with local outputs); logits and
 loss may be DTensors. torch requires ``num_microbatches >= pp`` for 1f1b.
 """

@@ -272,7 +272,7 @@ def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) ->
         if name not in _CATALOG:
             raise ValueError(
                 f"unknown hardware {kind!r}; use one of {hardware_names()} or a YAML file "
-                "(see neuron_parallel.hardware.load_hardware)"
+                "(see neuron_parallel.planning.hardware.load_hardware)"
             )
         spec = _CATALOG[name]
     return spec.with_ranks(ranks_per_node) if ranks_per_node else spec

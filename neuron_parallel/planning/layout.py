@@ -38,6 +38,25 @@ class CheckedLayout:
         return asdict(self)
 
 
+def describe_layout(layout, *, micro_batch_size: int | None = None, grad_accum: int | None = None) -> str:
+    """A layout in one line, the form the planner's table, the run summary and the model card
+    print: ``tp=2 pp=2 dp=1 zero1 sp recompute 1f1b×4``. ``layout`` has ``ParallelConfig``'s
+    field names (a ``ParallelConfig``, the planner's ``Candidate``); ``recompute`` is every
+    layer's activation checkpointing (``recompute-every-k`` every k-th), and with pp > 1 the
+    pipeline schedule comes with its microbatches. With ``micro_batch_size`` (and
+    ``grad_accum``), `` mbs=4 accum=2`` follows."""
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
+    parts += ["zero1"] * bool(layout.zero_1) + ["sp"] * bool(layout.sequence_parallel)
+    k = layout.activation_checkpointing
+    if k:
+        parts.append("recompute" if k == 1 else f"recompute-every-{k}")
+    if layout.pp > 1:
+        parts.append(f"{layout.pipeline_schedule}×{layout.num_microbatches}")
+    if micro_batch_size is not None:
+        parts.append(f"mbs={micro_batch_size} accum={grad_accum}")
+    return " ".join(parts)
+
+
 def tp_problems(shape: ModelShape, tp: int, *, vocab: bool = True) -> list[str]:
     """Why tensor parallelism of degree ``tp`` cannot split this model (empty when it can).
 

@@ -96,9 +96,9 @@ def trainable_parameters(shape: ModelShape, lora: LoraConfig) -> int:
 
 
 def lora_flops_per_token(shape: ModelShape, lora: LoraConfig, seq_len: int) -> float:
-    """Training FLOPs per token under LoRA: FACTS.md's ``6·N + 12·L·H·Q·T`` with the frozen
-    matmul weights at 4 (forward and input gradient), the adapters and any lm_head trained in
-    full at 6; the attention term unchanged."""
+    """Training FLOPs per token under LoRA: ``ModelShape.flops_per_token``'s ``6·N + 12·L·H·Q·T``
+    with the frozen matmul weights at 4 (forward and input gradient), the adapters and any
+    lm_head trained in full at 6; the attention term unchanged."""
     h, L = shape.hidden_size, shape.num_layers
     head = shape.vocab_size * h
     n_frozen = L * shape.layer_params + h + head

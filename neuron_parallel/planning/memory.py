@@ -2,12 +2,13 @@
 
 The model is of *this* library's engine (``neuron_parallel.engine``), tensor by tensor:
 
-* model states (``STATES``): ``fp32`` is what the engine keeps today: fp32 parameters and
-  gradients (4 + 4 bytes/param) and AdamW's fp32 ``exp_avg``/``exp_avg_sq`` (8), the 8 sharded
-  by ZeRO-1. ``bf16`` is the mixed precision of FACTS.md (ZeRO paper): bf16 params + grads
-  (2 + 2) and fp32 master, m, v (12), the 12 sharded: ``4Ψ + 12Ψ/dp``. ``bf16_autocast`` is
-  the engine's ``mixed_precision="bf16"``: fp32 states as ``fp32``, bf16 activations, plus the
-  bf16 weight copies autocast caches for the step (2 bytes/param).
+* model states (``STATES``): ``fp32`` is what the engine keeps: fp32 parameters and gradients
+  (4 + 4 bytes/param) and AdamW's fp32 ``exp_avg``/``exp_avg_sq`` (8), the 8 sharded by ZeRO-1.
+  ``bf16`` is the mixed-precision Adam of the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory
+  Optimizations Toward Training Trillion Parameter Models", figure 1): bf16 params + grads
+  (2 + 2) and fp32 master, m, v (12), the 12 sharded: ``4Ψ + 12Ψ/dp``. ``bf16_autocast`` is the
+  engine's ``mixed_precision="bf16"``: fp32 states as ``fp32``, bf16 activations, plus the bf16
+  weight copies autocast caches for the step (2 bytes/param).
   ZeRO-1 here is ``torch.distributed.optim.ZeroRedundancyOptimizer``: whole parameters, placed
   largest first on the least-loaded dp rank, per parameter group (matrices, then vectors);
   ``zero_partition`` replays that placement exactly.
@@ -27,22 +28,25 @@ The model is of *this* library's engine (``neuron_parallel.engine``), tensor by 
   stage output; 1F1B keeps ``p - r`` microbatches in flight on pp rank ``r``, GPipe all ``m``,
   interleaved 1F1B ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
 * transients: a layer's backward (two ``b·s·i/tp`` MLP gradients beyond what it saved), a
-  recomputed layer, the dp all-reduce's flat buckets (``optim.all_reduce_grads``: up to 32 MiB
-  each, two alive at once), AdamW's per-parameter temporaries (``sqrt`` and the division: 2 ×
-  the largest owned parameter, fp32).
+  recomputed layer, the dp reduction's flat buckets (``GradReducer`` of
+  ``neuron_parallel.parallel.data_parallel``: up to ``BUCKET_BYTES`` each; see ``max_bucket``),
+  AdamW's per-parameter temporaries (``sqrt`` and the division: 2 × the largest owned parameter,
+  fp32).
 
 Gradients are freed after every step (``zero_grad(set_to_none=True)``), so the peak is the
 largest of a few moments: the start of backward (every saved activation and the loss buffers;
 the grads of earlier microbatches only with accumulation, or on a pipeline stage after its
 first backward), the end of backward (all grads, the first layer's tensors and its backward),
-and the gradient reduction / optimizer step (all grads, the buckets or AdamW temporaries).
+and the optimizer step (all grads, and the larger of the reduction's buckets and AdamW's
+temporaries; the buckets are counted there although ``GradReducer`` copies most of them while the
+last micro-batch's backward runs).
 
 Calibration: every constant above was read off the autograd graph and the code (not fitted),
 then checked against allocator measurements of real training steps in bench/planner.py: 11 fp32
 cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, ZeRO-1, recompute, KV replication) and 2 of the
-engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as FACTS.md and
-NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it, so it is
-not measured.
+engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as in the ZeRO
+paper and NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it,
+so it is not measured.
 
 LoRA (``lora``, a ``neuron_parallel.config.LoraConfig``; ``neuron_parallel.planning.lora``): the
 frozen base weights at the precision's parameter bytes, the adapters and ``modules_to_save`` as
@@ -81,7 +85,10 @@ if TYPE_CHECKING:
 __all__ = ["HF_NAMES", "STATES", "ModelShape", "StateBytes", "local_kv_heads", "stage_params"]  # re-exported
 
 GiB = 1 << 30
-BUCKET_BYTES = 32 << 20  # neuron_parallel.optim.all_reduce_grads default bucket
+BUCKET_BYTES = 32 << 20
+"""The gradient bucket of the dp reduction (``GradReducer``'s default, defined here, where the
+torch-free memory model can read it). Smaller buckets start earlier in backward (more overlap)
+but are more collectives; DDP's default is 25 MiB."""
 
 
 def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, precision: str = "bf16") -> float:
@@ -109,10 +116,12 @@ def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[
 
 
 def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
-    """Peak bytes of ``optim.all_reduce_grads``' flat buffers (grad sizes in bytes, in order):
-    buckets of up to ``cap`` (a larger grad is its own bucket), and since the previous flat
-    buffer is only released when the next ``torch.cat`` result replaces it, two consecutive
-    buckets are alive at once."""
+    """The bytes the model allows for the dp reduction's flat buckets (grad sizes in bytes, in
+    order): buckets of up to ``cap`` (a larger grad is its own bucket), two consecutive ones
+    alive at once. ``GradReducer`` (its buckets cut by ``plan_buckets``: from the last parameter
+    back, and at dtype changes) copies one bucket at a time into a new flat buffer that replaces
+    the bucket's gradients, which are released as soon as it is made: two buckets is an allowance
+    above what it holds."""
     buckets, size = [], 0
     for n in sizes:
         if size and size + n > cap:

@@ -108,8 +108,9 @@ class ModelShape:
         return self.num_layers * self.layer_params + embed + self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, FACTS.md: ``6·N_non_embedding + 12·L·H·Q·T`` (N counts every
-        matmul weight, the lm_head included, but not the input embedding lookup)."""
+        """Training FLOPs per token as in the PaLM paper's MFU (Chowdhery et al. 2022, appendix B):
+        ``6·N_non_embedding + 12·L·H·Q·T`` (N counts every matmul weight, the lm_head included, but
+        not the input embedding lookup)."""
         n = self.num_layers * self.layer_params + self.vocab_size * self.hidden_size + self.hidden_size
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 

@@ -56,6 +56,19 @@ def check_pinned(fixed: dict[str, Any], *, world_size: int, layer_split: list[in
         )
 
 
+def pinned_layout(
+    fixed: dict[str, Any], *, world_size: int, mixed_precision: str = "fp32", layer_split: list[int] | None = None
+) -> ResolvedLayout | None:
+    """The layout of a request that pins every field of ``FIXABLE``, as given (no search, no
+    model read); None when something is left to the planner."""
+    if not set(FIXABLE) <= set(fixed):
+        return None
+    pc = ParallelConfig.for_world(
+        world_size, mixed_precision=mixed_precision, layer_split=layer_split, **{k: fixed[k] for k in LAYOUT_FIELDS}
+    )
+    return ResolvedLayout(parallel=pc, micro_batch_size=fixed["micro_batch_size"])
+
+
 def resolve_layout(
     model_path: str | Path,
     fixed: dict[str, Any],
@@ -79,14 +92,9 @@ def resolve_layout(
     nothing fits."""
     world = launch.nproc_per_node * launch.nnodes
     check_pinned(fixed, world_size=world, layer_split=layer_split)
-    if set(FIXABLE) <= set(fixed):
-        pc = ParallelConfig.for_world(
-            world,
-            mixed_precision=mixed_precision,
-            layer_split=layer_split,
-            **{k: fixed[k] for k in LAYOUT_FIELDS},
-        )
-        return ResolvedLayout(parallel=pc, micro_batch_size=fixed["micro_batch_size"])
+    pinned = pinned_layout(fixed, world_size=world, mixed_precision=mixed_precision, layer_split=layer_split)
+    if pinned is not None:
+        return pinned
     fixed = dict(fixed)
     if layer_split is not None and "virtual_stages" not in fixed:
         fixed["virtual_stages"] = max(1, len(layer_split) // fixed["pp"])  # one count per stage

@@ -4,22 +4,26 @@ of a job, its predicted memory per rank and tokens/s, ranked; and for every reje
     search = search_layouts("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
     search.feasible, search.best.to_parallel_config(), search.candidates[0].tokens_per_s
 
-Memory per rank: ``neuron_parallel.memory`` (tensor bytes of the worst pp rank, plus the
+Memory per rank: ``neuron_parallel.planning.memory`` (tensor bytes of the worst pp rank, plus the
 hardware's allocator margin and runtime reserve). A layout fits when that is at most
 ``memory_fraction`` (``launch.memory_fraction``, default 0.9) of the rank's memory: the rest is
 headroom for what the model misses. ``lora`` plans adapters on a frozen base
 (``neuron_parallel.planning.lora``) instead of full fine-tuning. Step time, per optimizer step:
 
-* compute: FLOPs of FACTS.md (``6N + 12·L·H·Q·T`` per token; a recomputed layer adds its forward,
-  a third of its training FLOPs; under LoRA a frozen weight costs ``4N``, no weight gradient)
-  at ``peak × efficiency`` of the hardware kind;
+* compute: training FLOPs per token as in the PaLM paper's MFU (Chowdhery et al. 2022, appendix
+  B: ``6N + 12·L·H·Q·T``; a recomputed layer adds its forward, a third of its training FLOPs;
+  under LoRA a frozen weight costs ``4N``, no weight gradient) at ``peak × efficiency`` of the
+  hardware kind;
 * tensor parallelism: per layer and microbatch 4 collectives of ``b·s·h`` elements (6 with
-  recompute), ring cost ``2(t-1)/t``, on the node's links (TP never leaves a node);
+  recompute; 2 more on a stage holding the embedding or the lm_head), ring cost ``2(t-1)/t``, on
+  the node's links (TP never leaves a node);
 * pipeline: ``(m + (p-1)/v)`` microbatch slots of the slowest stage (bubble ``(p-1)/(m+p-1)``,
   interleaved ``(p-1)/(v·m)``), plus the boundary sends; the network when a pp group spans nodes;
-* data parallelism: the engine reduces gradients after backward without overlap: a ring
-  all-reduce ``2(d-1)/d`` of the gradient bytes (ZeRO-1 adds the updated parameters' broadcast,
-  ``(d-1)/d``); across nodes each node's network carries one ring per co-located replica.
+* data parallelism: a ring all-reduce ``2(d-1)/d`` of the gradient bytes (ZeRO-1 adds the
+  updated parameters' broadcast, ``(d-1)/d``), counted in full after the step's compute: the
+  engine's reducer (``neuron_parallel.parallel.data_parallel.GradReducer``) starts each bucket's
+  all-reduce while the last micro-batch's backward runs, an overlap this model does not credit;
+  across nodes each node's network carries one ring per co-located replica.
 
 Candidates: every tp dividing the world (TP within a node), every pp dividing the rest, ZeRO-1
 on/off (dp > 1), SP on/off (tp > 1, sequence divisible by tp), recompute off/every layer,
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
 from ..utils import divisors, split_layers
 from .hardware import HardwareSpec, get_hardware
-from .layout import tp_problems
+from .layout import describe_layout, tp_problems
 from .lora import adapter_params, describe_lora, lora_flops_per_token, trainable_parameters, trained_in_full
 from .memory import STATES, GiB, ModelShape, layout_memory, model_states_bytes
 
@@ -87,15 +91,8 @@ class Candidate:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        parts += (
-            ["zero1"] * self.zero_1
-            + ["sp"] * self.sequence_parallel
-            + ["recompute"] * bool(self.activation_checkpointing)
-        )
-        if self.pp > 1:
-            parts.append(f"{self.pipeline_schedule}×{self.num_microbatches}")
-        return " ".join(parts) + f" mbs={self.micro_batch_size} accum={self.grad_accum}"
+        """This layout and its batch split in one line (``describe_layout``)."""
+        return describe_layout(self, micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum)
 
 
 @dataclass(slots=True)
@@ -490,7 +487,8 @@ def search_layouts(
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
     read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
     ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
-    FACTS.md), ``fp32`` (the engine today) or ``bf16_autocast`` (the engine's bf16 mode).
+    the ZeRO paper's mixed precision), ``fp32`` (the engine's default) or ``bf16_autocast`` (the
+    engine's ``mixed_precision: bf16``: fp32 states, bf16 autocast).
     ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
     those values are considered, and a pinned value is evaluated even where the free search
     would not try it (``activation_checkpointing=2``, ``num_microbatches=6``). ``lora`` plans

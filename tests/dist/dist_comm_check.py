@@ -1,16 +1,12 @@
 """Inside torchrun (4 ranks: dp2 × tp2, sequence parallel, ZeRO-1): count the collectives of the
 gradient reduction, clipping and optimizer step, and check the dp reduction runs during backward.
 
-    run_ranks("tests/dist/dist_comm_check.py", 4, [WORK_DIR])   (neuron_parallel.launch)
-    run_ranks("tests/dist/dist_comm_check.py", N, ["--audit", RUN_DIR/job.json])
-
-With ``--audit``: build the job's engine, run ``Trainer.train_step`` once, record the second step
-and report ``comm_audit.rank_report`` (every collective by kind and axis, with the layout's
-analytic minimum).
+    run_ranks("tests/dist/dist_comm_check.py", 4, [WORK_DIR])   (neuron_parallel.testing.ranks)
 
 Rank 0 writes two tiny Llama models (2 and 6 decoder layers) to WORK_DIR; every rank builds each
-engine with ``build_engine`` and trains a step on random tokens, recorded by
-``CollectiveLog``. Reported per depth: the collectives of ``reduce_and_clip`` and
+engine with ``build_engine`` and trains a step on random tokens, recorded by ``CollectiveLog``
+(``neuron_parallel.testing.comm_audit``, whose module run audits a whole step against the
+layout's minimum for ``test_comm.py``). Reported per depth: the collectives of ``reduce_and_clip`` and
 ``optimizer_step`` plus the dp ones of ``forward_backward`` (the gradient buckets), and the
 number of parameters. Then, on the 6-layer model with buckets of an eighth of its gradients:
 whether the first bucket's all-reduce was issued before backward's last tensor-parallel
@@ -28,11 +24,11 @@ import torch.distributed as dist
 from neuron_parallel.batches import Batch
 from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
 from neuron_parallel.engine import build_engine
-from neuron_parallel.launch import print_rank_result
 from neuron_parallel.mesh import ParallelDims, close_distributed, exit_rank, init_distributed
-from neuron_parallel.parallel.comm_audit import CollectiveLog, axis_names, engine_phases
 from neuron_parallel.parallel.data_parallel import GradReducer
 from neuron_parallel.parallel.dtensor import local
+from neuron_parallel.testing.comm_audit import CollectiveLog, axis_names, engine_phases
+from neuron_parallel.testing.ranks import print_rank_result
 
 DEPTHS = (2, 6)
 BATCH, SEQ, VOCAB = 2, 16, 256
@@ -107,30 +103,9 @@ def overlap(engine, dims: ParallelDims) -> dict:
     }
 
 
-def audit(job_path: str) -> dict:
-    from neuron_parallel.batches import BlockStream
-    from neuron_parallel.parallel.comm_audit import rank_report
-    from neuron_parallel.train import Trainer
-
-    job = JobConfig.load(job_path)
-    pc = job.parallel
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp)
-    engine = build_engine(job, dims, torch.device("cpu"))
-    trainer = Trainer(job, engine, BlockStream(job.dataset_path, seed=job.train.seed), dims, None, None)
-    trainer.train_step(1)  # the pipeline's shape inference sends objects on the first step only
-    log = CollectiveLog(axis_names(dims.mesh))
-    with log, engine_phases(engine, log):
-        trainer.train_step(2)
-    return rank_report(log, engine, job)
-
-
 def main() -> int:
     torch.set_num_threads(1)
     init_distributed("cpu")
-    if sys.argv[1] == "--audit":
-        print_rank_result(audit(sys.argv[2]))
-        close_distributed()
-        return 0
     work = Path(sys.argv[1])
     if dist.get_rank() == 0:
         for layers in DEPTHS:

@@ -2,7 +2,7 @@
 
     run_ranks("tests/dist/dist_pp_check.py", 2, ["NAME=--schedule 1f1b --mb 4", ...])
 
-(``neuron_parallel.launch.run_ranks``; the cases run one after another in one launch.)
+(``neuron_parallel.testing.ranks.run_ranks``; the cases run one after another in one launch.)
 
 A tiny Llama is trained for a few SGD steps by one process (plain Hugging Face forward, on every
 rank) and by the pipeline (meta model → this rank's stages → materialise → load the reference's
@@ -30,7 +30,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from neuron_parallel.checkpoint.tensors import HFWeights
-from neuron_parallel.launch import print_rank_result
 from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import build_meta_model, causal_lm_loss, load_weights, materialize
 from neuron_parallel.parallel.pipeline import (
@@ -39,6 +38,7 @@ from neuron_parallel.parallel.pipeline import (
     stage_ids_for_rank,
     sum_tied_embedding_grads,
 )
+from neuron_parallel.testing.ranks import print_rank_result
 
 BATCH, SEQ, VOCAB, LR, TOL = 8, 32, 256, 0.1, 1e-5
 

@@ -1,6 +1,6 @@
 """Tensor-parallel parity check, one torchrun job: TP(+SP) training equals one process.
 
-    run_ranks("tests/dist/dist_tp_check.py", N, ["NAME=ARGS", ...])   (neuron_parallel.launch)
+    run_ranks("tests/dist/dist_tp_check.py", N, ["NAME=ARGS", ...])   (neuron_parallel.testing.ranks)
 
 where each ARGS is ``[--model llama|qwen3] [--heads 4] [--kv-heads 2] [--no-sp]
 [--no-loss-parallel] [--tied] [--bias]``: the cases run one after another in one launch.
@@ -33,11 +33,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from neuron_parallel.checkpoint.save import _owns
 from neuron_parallel.checkpoint.tensors import HFWeights
-from neuron_parallel.parallel.dtensor import local_view
-from neuron_parallel.launch import print_rank_result
 from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, causal_lm_loss, load_weights, materialize
+from neuron_parallel.parallel.dtensor import local_view
 from neuron_parallel.parallel.tensor import align_grad_placements, apply_tensor_parallel
+from neuron_parallel.testing.ranks import print_rank_result
 
 BATCH, SEQ, STEPS, LR, TOL = 4, 16, 3, 1e-2, 1e-5
 PAD = 200  # a padding_idx in the second half of the vocab: its row lives off rank 0

@@ -1,7 +1,8 @@
 """Communication of the training step: the gradient reduction, clipping and ZeRO-1 update issue a
 number of collectives that does not grow with the number of parameters, the dp reduction starts
 during backward (``dist_comm_check.py``, 4 ranks), and a whole
-step moves at most 1.10x the bytes its layout must (``comm_audit.minimum_bytes``)."""
+step moves at most 1.10x the bytes its layout must (``comm_audit.minimum_bytes``), by the audit
+``bench/comm.py`` runs (``neuron_parallel.testing.comm_audit`` as a module on every rank)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neuron_parallel.launch import run_ranks
+from neuron_parallel.testing import comm_audit
+from neuron_parallel.testing.ranks import run_ranks
 
 from ..conftest import write_job
 
@@ -34,25 +36,19 @@ def test_reduction_collectives_do_not_grow_with_parameters(tmp_path):
         assert ov["started_before_backward_ended"], ov
 
 
-AUDITS = {
-    "tp4-sp": (4, dict(tp=4, sequence_parallel=True)),  # the 2 KV heads replicated on 2 ranks each
-    "dp2-tp2-pp2-sp-zero1": (8, dict(tp=2, pp=2, sequence_parallel=True, zero_1=True, num_microbatches=2)),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(AUDITS))
+@pytest.mark.parametrize("name", list(comm_audit.LAYOUTS))
 def test_step_moves_at_most_110_percent_of_the_layout_minimum(name, tiny_world, tiny_dataset, tmp_path):
-    world, parallel = AUDITS[name]
+    world, parallel = comm_audit.LAYOUTS[name]
     job = write_job(tmp_path, tiny_world["model"], tiny_dataset.path, world=world, parallel=parallel)
-    r = run_ranks(CHECK, world, ["--audit", str(job)], timeout=300)
+    r = run_ranks(comm_audit.RANK_MODULE, world, [str(job)], timeout=300)
     assert r.returncode == 0, r.tail()
     assert len(r.results) == world
     for res in r.results:
         rows = [row for row in res["rows"] if not row["scalar"]]
         assert rows, res
         for row in rows:  # no traffic of a kind the layout does not need, none above 1.10x what it needs
-            assert row["bytes"] <= 1.10 * row["minimum_bytes"], (res["rank"], row)
+            assert row["bytes"] <= comm_audit.GOAL * row["minimum_bytes"], (res["rank"], row)
             assert row["bytes"] >= row["minimum_bytes"], (res["rank"], row)  # else the model of the minimum is wrong
         phases = [p for row in res["rows"] for p, n in row.get("phases", {}).items() for _ in range(n)]
         assert sum(p in ("reduce_and_clip", "optimizer_step") for p in phases) <= 8, res

@@ -25,8 +25,8 @@ import pytest
 
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
 from neuron_parallel.config import LaunchConfig
-from neuron_parallel.launch import kill_tree, process_tree, torchrun_command
-from neuron_parallel.launch import EVENT_PREFIX
+from neuron_parallel.launch import EVENT_PREFIX, torchrun_command
+from neuron_parallel.procs import kill_tree, process_tree
 from neuron_parallel.reporting import read_metrics
 
 from ..conftest import ROOT, write_job

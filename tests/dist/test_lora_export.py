@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from neuron_flows.flows.cli import main as cli
-from neuron_parallel.checkpoint import CheckpointTensors, HFWeights, consolidate_checkpoint, validate_checkpoint
-from neuron_parallel.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from neuron_parallel.checkpoint import CheckpointTensors, HFWeights, export_checkpoint, validate_checkpoint
+from neuron_parallel.checkpoint.hf_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from neuron_parallel.checkpoint.output import OWNER_FILE
 from neuron_parallel.config import LoraConfig
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, load_config, load_weights, materialize
@@ -86,7 +86,7 @@ def test_peft_loads_the_exported_adapter_and_computes_the_training_models_logits
     from peft.utils import get_peft_model_state_dict, load_peft_weights
 
     base_dir, ckpt = trained
-    out = consolidate_checkpoint(ckpt, tmp_path / "adapter")
+    out = export_checkpoint(ckpt, tmp_path / "adapter")
     tokenizer = {"tokenizer.json", "tokenizer_config.json"}
     expected = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, OWNER_FILE, *tokenizer}
     assert {p.name for p in out.iterdir()} - {"chat_template.jinja"} == expected
@@ -116,7 +116,7 @@ def test_merge_equals_peft_merge_and_unload(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base_dir, ckpt = trained
-    adapter = consolidate_checkpoint(ckpt, tmp_path / "adapter")
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     assert cli(["consolidate", str(ckpt), str(tmp_path / "merged"), "--merge"]) == 0
     merged_peft = load_peft(base_dir, adapter).merge_and_unload()
     reference = merged_peft.state_dict()

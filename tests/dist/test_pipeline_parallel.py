@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_parallel.launch import run_ranks
+from neuron_parallel.testing.ranks import run_ranks
 
 CHECK = Path(__file__).with_name("dist_pp_check.py")
 TOL = 1e-5

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
 from neuron_parallel.checkpoint.resume import find_resume_checkpoint
-from neuron_parallel.launch import alive, process_tree, run_ranks
+from neuron_parallel.procs import alive, process_tree
+from neuron_parallel.testing.ranks import run_ranks
 
 from ..conftest import ROOT, read_metrics, torchrun, write_job
 

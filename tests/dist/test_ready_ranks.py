@@ -9,6 +9,7 @@ import time
 
 from neuron_parallel import launch
 from neuron_parallel.config import JobConfig, LaunchConfig
+from neuron_parallel.procs import alive, process_tree
 
 from ..conftest import read_metrics, write_job
 
@@ -24,7 +25,7 @@ def _waiting_ranks(ready: launch.ReadyRanks, timeout_s: float = 120.0) -> list[i
     """The pids of the ranks under the ready torchrun, once both run."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ranks = [p for p in launch.process_tree(ready.proc.pid) if p != ready.proc.pid and launch.alive(p)]
+        ranks = [p for p in process_tree(ready.proc.pid) if p != ready.proc.pid and alive(p)]
         if len(ranks) >= 2:
             return ranks
         assert ready.proc.poll() is None, ready.proc.stdout.read()
@@ -37,7 +38,7 @@ def test_ranks_started_ahead_train_the_job_they_are_given_as_fresh_ranks_do(tiny
     ready = launch.start_ready_ranks(settings)
     ranks = _waiting_ranks(ready)
     time.sleep(1.0)  # the ranks are waiting for a job, not failing for want of one
-    assert ready.proc.poll() is None and all(launch.alive(p) for p in ranks)
+    assert ready.proc.poll() is None and all(alive(p) for p in ranks)
 
     ahead, events = _job(tmp_path, "ahead", tiny_world, tiny_dataset), []
     result = launch.run_torchrun(ahead, settings, on_event=events.append)
@@ -65,5 +66,5 @@ def test_ready_ranks_ended_unused_leave_nothing_behind():
     ready = launch.start_ready_ranks(LaunchConfig(nproc_per_node=2))
     tree = [ready.proc.pid, *_waiting_ranks(ready)]
     ready.close()
-    assert not any(launch.alive(p) for p in tree) and not ready.dir.exists() and launch._ready is None
+    assert not any(alive(p) for p in tree) and not ready.dir.exists() and launch._ready is None
     assert launch.start_ready_ranks(LaunchConfig(nproc_per_node=2, nnodes=2, rdzv_endpoint="localhost:1")) is None

@@ -6,12 +6,13 @@ import shutil
 import signal
 import time
 
-import torch
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from neuron_parallel.checkpoint import consolidate_checkpoint, is_complete, list_checkpoints
-from neuron_parallel.launch import process_tree, run_ranks
+from neuron_parallel.checkpoint import export_checkpoint, is_complete, list_checkpoints
+from neuron_parallel.procs import process_tree
+from neuron_parallel.testing.ranks import run_ranks
 from neuron_parallel.train import FAIL_AFTER_ENV
 
 from ..conftest import ROOT, read_metrics, torchrun, write_job
@@ -49,8 +50,8 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     # Steps the killed run logged past its checkpoint are purged: one loss per step, as in metrics.jsonl.
     losses = tensorboard_scalars(tmp_path / "run", "train/loss")
     assert losses == {m["step"]: [pytest.approx(m["loss"], rel=1e-6)] for m in ours}
-    a = load_file(consolidate_checkpoint(tmp_path / "run", tmp_path / "a") / "model.safetensors")
-    b = load_file(consolidate_checkpoint(tmp_path / "ref", tmp_path / "b") / "model.safetensors")
+    a = load_file(export_checkpoint(tmp_path / "run", tmp_path / "a") / "model.safetensors")
+    b = load_file(export_checkpoint(tmp_path / "ref", tmp_path / "b") / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-30", "checkpoint-40"]
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from neuron_parallel.tiny import TEMPLATES
-from ..conftest import ROOT, read_metrics, torchrun, write_job
+
+from ..conftest import read_metrics, torchrun, write_job
 
 STEPS = 4
 GLOBAL_BATCH = 8

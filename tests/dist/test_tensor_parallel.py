@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from neuron_parallel.launch import run_ranks
 from neuron_parallel.parallel.tensor import kv_size_multiplier
+from neuron_parallel.testing.ranks import run_ranks
 
 CHECK = Path(__file__).with_name("dist_tp_check.py")
 TOL = 1e-5

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from neuron_parallel.checkpoint import (
     CheckpointTensors,
-    consolidate_checkpoint,
+    export_checkpoint,
     list_checkpoints,
     validate_checkpoint,
 )
@@ -86,8 +86,8 @@ def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_datase
     assert [e["step"] for e in steps] == [4, 6] and steps[0]["eta_s"] > 0 and steps[-1]["eta_s"] == 0
     assert_tensorboard_matches_metrics(tmp_path)
     assert_one_mlflow_run_matches_metrics(tmp_path, ours)
-    a = consolidate_checkpoint(tmp_path, tmp_path / "hf")
-    b = consolidate_checkpoint(dp2_run, tmp_path / "hf_ref")
+    a = export_checkpoint(tmp_path, tmp_path / "hf")
+    b = export_checkpoint(dp2_run, tmp_path / "hf_ref")
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -117,7 +117,7 @@ def test_checkpoint_is_valid_and_consolidates_to_the_trained_model(dp2_run, tmp_
 
     ckpt = list_checkpoints(dp2_run)[-1]
     assert validate_checkpoint(ckpt) == []
-    out = consolidate_checkpoint(dp2_run, tmp_path / "hf")
+    out = export_checkpoint(dp2_run, tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(out).eval()
 
     # The trained model as training holds it: a stage module loaded from the sharded checkpoint.
@@ -138,14 +138,14 @@ def test_checkpoint_is_valid_and_consolidates_to_the_trained_model(dp2_run, tmp_
 def test_sharded_and_pytorch_exports(dp2_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    sharded = consolidate_checkpoint(dp2_run, tmp_path / "sharded", max_shard_size="1MB")
+    sharded = export_checkpoint(dp2_run, tmp_path / "sharded", max_shard_size="1MB")
     assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
     assert (sharded / "model.safetensors.index.json").exists()
-    single = consolidate_checkpoint(dp2_run, tmp_path / "single")
+    single = export_checkpoint(dp2_run, tmp_path / "single")
     a = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
     b = AutoModelForCausalLM.from_pretrained(single).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)
-    pt = consolidate_checkpoint(dp2_run, tmp_path / "pt", fmt="pytorch")
+    pt = export_checkpoint(dp2_run, tmp_path / "pt", fmt="pytorch")
     state = torch.load(pt / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(state[k], b[k]) for k in state)
 
@@ -190,7 +190,7 @@ def test_corruption_is_named_and_resume_falls_back(dp2_run, tmp_path, how):
     assert len(skipped) == 1 and ckpts[-1].name in skipped[0]
     # A flipped byte is caught by its checksum, the rest by the completeness check.
     with pytest.raises(ValueError, match="the file changed after" if how == "flip" else "refusing to consolidate"):
-        consolidate_checkpoint(run / ckpts[-1].name, tmp_path / "out")
+        export_checkpoint(run / ckpts[-1].name, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from neuron_parallel.launch import alive  # noqa: F401 (the service tests take it from here)
+from neuron_parallel.procs import alive  # noqa: F401 (the service tests take it from here)
 
 from ..conftest import ROOT
 
@@ -82,7 +82,7 @@ class Service:
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                from neuron_parallel.launch import kill_tree
+                from neuron_parallel.procs import kill_tree
 
                 kill_tree(self.proc, grace_s=0)
         return self.proc.returncode

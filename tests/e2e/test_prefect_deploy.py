@@ -74,7 +74,7 @@ def test_prefect_deploy_creates_the_deployments_and_a_worker_completes_a_run(pre
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from neuron_parallel.launch import kill_tree
+    from neuron_parallel.procs import kill_tree
 
     env = {
         **os.environ,

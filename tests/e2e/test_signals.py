@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_parallel.launch import alive, process_tree
+from neuron_parallel.procs import alive, process_tree
 
 from ..conftest import ROOT
 

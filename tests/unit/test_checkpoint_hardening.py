@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from neuron_parallel.checkpoint import consolidate_checkpoint, validate_checkpoint
+from neuron_parallel.checkpoint import export_checkpoint, validate_checkpoint
 from neuron_parallel.checkpoint import tensors as tensors_module
 from neuron_parallel.checkpoint import validate as validate_module
 from neuron_parallel.checkpoint.format import COMPLETE, MANIFEST, Manifest, Piece, TensorEntry
@@ -128,7 +128,7 @@ def test_a_manifest_naming_a_file_outside_is_refused(tmp_path, how, opened):
     [problem] = validate_checkpoint(ckpt)
     assert rel in problem and "outside" in problem
     with pytest.raises(ValueError, match="refusing to consolidate") as err:
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert rel in str(err.value)
     assert not (tmp_path / "hf").exists() and snapshot(tmp_path) == before
     assert all(outside != p.resolve() for p in opened) and not opened
@@ -215,7 +215,7 @@ def test_a_checkpoint_shard_whose_header_lies_is_refused_when_consolidated(tmp_p
     )  # w claims 8 rows, the manifest's piece is 4: 64 bytes of it would be someone else's
     edit_manifest(ckpt, lambda raw: raw["files"].update({rel: _listing(ckpt, rel)}))
     with pytest.raises(ValueError, match=r"span 64 bytes"):
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -270,7 +270,7 @@ def test_a_flipped_byte_is_refused_by_consolidation(tmp_path):
     flip_last_byte(ckpt / rel)
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match="sha256") as err:
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     message = str(err.value)
     assert str(ckpt / rel) in message and recorded in message and sha256_file(ckpt / rel) in message
     assert "use an earlier checkpoint" in message and "neuron-flows validate" in message
@@ -281,16 +281,16 @@ def test_a_flipped_byte_is_refused_by_adapter_export(tmp_path):
     lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"], "modules_to_save": []}
     adapter = {"lora": lora, "base_model": {"name_or_path": str(tmp_path / "base"), "sha256": "0" * 64}}
     ckpt = make_checkpoint(tmp_path / "run", adapter=adapter)
-    assert (consolidate_checkpoint(ckpt, tmp_path / "ok") / "adapter_model.safetensors").is_file()
+    assert (export_checkpoint(ckpt, tmp_path / "ok") / "adapter_model.safetensors").is_file()
     flip_last_byte(ckpt / "shards/tp_rank_00_pp_rank_00/model.safetensors")
     with pytest.raises(ValueError, match="sha256 .*, the manifest records"):
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
 def test_an_intact_checkpoint_consolidates_exactly(tmp_path):
     ckpt = make_checkpoint(tmp_path / "run")
-    out = consolidate_checkpoint(ckpt, tmp_path / "hf", max_shard_size=64)  # two files and an index
+    out = export_checkpoint(ckpt, tmp_path / "hf", max_shard_size=64)  # two files and an index
     weights = HFWeights(out)
     assert torch.equal(weights.read("w.weight"), W) and torch.equal(weights.read("b.weight"), B)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
@@ -347,7 +347,7 @@ def test_optimum_neuron_num_partitions_that_do_not_fit_the_rank_files_are_refuse
     ckpt = crafted_fixture(tmp_path, set_all("num_partitions", num_partitions))
     before = snapshot(ckpt)
     with pytest.raises(ValueError, match="refusing to consolidate") as err:
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert message in str(err.value)
     assert not (tmp_path / "hf").exists() and snapshot(ckpt) == before
 
@@ -358,7 +358,7 @@ def test_optimum_neuron_num_partitions_disagreeing_between_parameters_are_refuse
 
     ckpt = crafted_fixture(tmp_path, edit)
     with pytest.raises(ValueError, match=r"records num_partitions \[2, 8\]"):
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("stride, message", [(3, "partition_stride=3 does not divide dim 0"), (-1, "not a positive")])
@@ -368,7 +368,7 @@ def test_optimum_neuron_partition_stride_that_does_not_divide_is_refused(tmp_pat
 
     ckpt = crafted_fixture(tmp_path, edit)
     with pytest.raises(ValueError, match="refusing to consolidate") as err:
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert f"model.embed_tokens.weight: partition_stride={stride} " in str(err.value) and message in str(err.value)
     assert not (tmp_path / "hf").exists()
 
@@ -380,5 +380,5 @@ def test_an_optimum_neuron_rank_file_linked_outside_is_refused(tmp_path):
     rank.rename(outside)
     rank.symlink_to(outside)
     with pytest.raises(ValueError, match="rank file 'model/dp_rank_00_tp_rank_01_pp_rank_00.pt' resolves to"):
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

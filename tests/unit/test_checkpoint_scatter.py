@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from neuron_parallel.checkpoint import consolidate_checkpoint
+from neuron_parallel.checkpoint import export_checkpoint
 from neuron_parallel.checkpoint import scatter as scatter_module
-from neuron_parallel.checkpoint.consolidate import open_source, write_hf_dir
+from neuron_parallel.checkpoint.consolidate import open_source
 from neuron_parallel.checkpoint.format import COMPLETE, MANIFEST, Manifest, Piece, TensorEntry
+from neuron_parallel.checkpoint.hf_dir import write_hf_dir
 from neuron_parallel.checkpoint.tensors import HFWeights
 from neuron_parallel.utils import sha256_file
 
@@ -96,7 +97,7 @@ def weight_files(out: Path) -> dict[str, bytes]:
 def test_one_pass_writes_what_the_streaming_writer_writes(tmp_path, monkeypatch, block, max_shard_size):
     monkeypatch.setattr(scatter_module, "BLOCK_BYTES", block)  # 64: many chunks per piece, rows split
     ckpt = make_checkpoint(tmp_path / "run")
-    one_pass = consolidate_checkpoint(ckpt, tmp_path / "one_pass", max_shard_size=max_shard_size)
+    one_pass = export_checkpoint(ckpt, tmp_path / "one_pass", max_shard_size=max_shard_size)
     streamed = write_hf_dir(Streamed(open_source(ckpt)), tmp_path / "streamed", max_shard_size=max_shard_size)
     files = weight_files(one_pass)
     assert files == weight_files(streamed) and len(files) == (1 if max_shard_size == "5GB" else 6)
@@ -113,20 +114,20 @@ def test_the_optimizer_state_is_neither_read_nor_hashed(tmp_path, monkeypatch):
     data = bytearray(optim.read_bytes())
     data[-1] ^= 0x01  # damaged, but consolidation does not need it
     optim.write_bytes(bytes(data))
-    out = consolidate_checkpoint(ckpt, tmp_path / "hf")
+    out = export_checkpoint(ckpt, tmp_path / "hf")
     assert torch.equal(HFWeights(out).read("model.norm.weight"), exported("model.norm.weight"))
 
 
 def test_a_piece_file_changed_in_place_is_refused_after_the_pass_and_an_earlier_export_stays(tmp_path):
     ckpt = make_checkpoint(tmp_path / "run")
-    out = consolidate_checkpoint(ckpt, tmp_path / "hf", max_shard_size="200B")
+    out = export_checkpoint(ckpt, tmp_path / "hf", max_shard_size="200B")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     rel = "shards/tp_rank_01_pp_rank_00/model.safetensors"
     data = bytearray((ckpt / rel).read_bytes())
     data[-3] ^= 0x10  # same size: only the hash can tell
     (ckpt / rel).write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"sha256 .*, the manifest records") as err:
-        consolidate_checkpoint(ckpt, out, max_shard_size="200B")
+        export_checkpoint(ckpt, out, max_shard_size="200B")
     assert str(ckpt / rel) in str(err.value)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no .tmp left, nothing replaced
 
@@ -139,5 +140,5 @@ def test_a_manifest_giving_one_stored_tensor_to_two_tensors_is_refused(tmp_path)
     ]
     (ckpt / MANIFEST).write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="gives the bytes from offset .* to two pieces"):
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from neuron_parallel.parallel.comm_audit import CollectiveLog
 from neuron_parallel.parallel.data_parallel import GradReducer, plan_buckets
+from neuron_parallel.testing.comm_audit import CollectiveLog
 
 
 def test_log_records_plain_and_functional_collectives_with_bytes(world_of_one):

@@ -63,7 +63,7 @@ def test_overrides_are_typed_and_dp_is_derived():
     assert cfg.parallel.tp == 2 and cfg.train.lr == 1e-4 and cfg.parallel.zero_1 is True
     assert {"tp", "pp", "zero_1"} <= set(cfg.pinned())
     assert cfg.hub.repo_id == "alice/x"
-    job = cfg.to_job(model_path="", dataset_path="", layout=cfg.resolve(""))
+    job = cfg.to_job(model_path="", dataset_path="", layout=cfg.pinned_layout())
     assert job.parallel.dp == 4  # 8 ranks / (tp 2 × pp 1)
     assert job.global_batch_size == 16 and job.train.micro_batch_size * job.grad_accum * 4 == 16
     partial = FinetuneConfig.load(TINY, ["parallel.tp=2", "parallel.zero_1=true"])
@@ -123,12 +123,12 @@ def test_bad_values_are_reported_with_their_key():
 
 
 def test_job_round_trips_through_json(tmp_path, tiny_world):
-    from neuron_flows.tasks.config import plan_layout
+    from neuron_flows.tasks import steps
 
     cfg = FinetuneConfig.load(
         TINY, [*FIXED, "parallel.pp=2", "parallel.num_microbatches=2", f"model.name_or_path={tiny_world['model']}"]
     )
-    layout, _ = plan_layout(cfg, tiny_world["model"])
+    layout, _ = steps.plan(cfg, tiny_world["model"])
     job = cfg.to_job(model_path="m", dataset_path="d", layout=layout)
     assert job.parallel == ParallelConfig(pp=2, dp=1, num_microbatches=2)
     (tmp_path / "job.json").write_text(job.to_json())

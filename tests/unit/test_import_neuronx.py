@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neuron_parallel.checkpoint import consolidate_checkpoint
+from neuron_parallel.checkpoint import export_checkpoint
 from neuron_parallel.checkpoint.neuronx import NeuronxCheckpoint
 from neuron_parallel.checkpoint.neuronx_layout import _RankFile, find_neuronx_checkpoint, query_head_order
 
@@ -319,7 +319,7 @@ def test_trainer_layout_consolidates_bit_for_bit(tmp_path, xser_pickling, tp, pp
     shards, meta = shard_state(state, config, tp=tp, pp=pp, attn=attn, mult=mult)
     ckpt = write_trainer_checkpoint(tmp_path / "run" / "checkpoint-10", shards, meta, xser=xser, info=info)
     config.save_pretrained(tmp_path / "run")  # optimum-neuron saves it in the output dir, next to checkpoint-N
-    out = consolidate_checkpoint(ckpt, tmp_path / "hf")
+    out = export_checkpoint(ckpt, tmp_path / "hf")
     check_output(out, state)
     assert (out / "config.json").is_file()
     # The run dir resolves to its newest checkpoint-<step> with shards/done.
@@ -335,7 +335,7 @@ def test_legacy_folders_plain_and_xser(tmp_path, xser_pickling):
     config.save_pretrained(tmp_path / "model")
     for xser in (False, True):
         ckpt = write_legacy_checkpoint(tmp_path / f"legacy-{xser}", shards, meta, xser=xser)
-        out = consolidate_checkpoint(ckpt / "shards", tmp_path / f"hf-{xser}", model_dir=tmp_path / "model")
+        out = export_checkpoint(ckpt / "shards", tmp_path / f"hf-{xser}", model_dir=tmp_path / "model")
         check_output(out, state)
 
 
@@ -362,7 +362,7 @@ def test_legacy_gqa_without_permutation(tmp_path, xser_pickling):
     }
     ckpt = write_legacy_checkpoint(tmp_path / "ckpt", shards, meta, gqa=gqa)
     config.save_pretrained(ckpt)
-    check_output(consolidate_checkpoint(ckpt, tmp_path / "hf"), state)
+    check_output(export_checkpoint(ckpt, tmp_path / "hf"), state)
 
 
 def test_pickled_metadata_with_permuted_fused_gqa(tmp_path, xser_pickling):
@@ -400,7 +400,7 @@ def test_pickled_metadata_with_permuted_fused_gqa(tmp_path, xser_pickling):
         }
     ckpt = write_trainer_checkpoint(tmp_path / "ckpt", shards, meta, pt_metadata=pt_meta)
     config.save_pretrained(ckpt)
-    check_output(consolidate_checkpoint(ckpt, tmp_path / "hf"), state)
+    check_output(export_checkpoint(ckpt, tmp_path / "hf"), state)
 
 
 def test_cli_with_model_dir(tmp_path, xser_pickling, capsys):
@@ -442,7 +442,7 @@ def test_incomplete_checkpoint_is_refused_naming_the_fault(tmp_path, xser_pickli
     else:
         victim.unlink()
     with pytest.raises(ValueError, match="refusing to consolidate") as err:
-        consolidate_checkpoint(ckpt, tmp_path / "hf")
+        export_checkpoint(ckpt, tmp_path / "hf")
     assert str(victim) in str(err.value) if victim else "a pipeline stage or rank is missing" in str(err.value)
     assert not (tmp_path / "hf").exists()
 

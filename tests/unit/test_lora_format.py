@@ -12,7 +12,7 @@ import pytest
 
 from neuron_parallel.checkpoint.adapter import peft_config, peft_name
 from neuron_parallel.checkpoint.format import Manifest
-from neuron_parallel.checkpoint.validate import expected_adapter_shapes
+from neuron_parallel.checkpoint.shapes import expected_adapter_shapes
 from neuron_parallel.config import LoraConfig
 
 

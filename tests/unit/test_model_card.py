@@ -9,8 +9,8 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
+from neuron_flows.tasks.card import card_config, card_summary
 from neuron_flows.tasks.config import FinetuneConfig
-from neuron_flows.tasks.upload import card_config, card_summary
 from neuron_parallel.config import ParallelConfig
 from neuron_parallel.hub import base_model_license, card_data_table, write_model_card
 from neuron_parallel.launch import TrainResult
@@ -102,6 +102,6 @@ def test_the_cards_configuration_is_a_config_that_runs_the_chosen_layout():
     assert again.train.max_steps == 7 and again.hub.repo_id == "org/ft"
     result = TrainResult(run_dir="r", final_step=7, resumed_from_step=0, last_metrics={"loss": 2.0, "tokens_seen": 99})
     summary = card_summary(config, result, layout())
-    assert summary["layout"] == "dp=2 tp=2 pp=1 zero1 sp" and summary["steps"] == 7
+    assert summary["layout"] == "tp=2 pp=1 dp=2 zero1 sp" and summary["steps"] == 7
     assert summary["hardware"] == "cpu: 1 node(s) × 4 cpu rank(s), fp32"
     assert summary["batch"] == "16 sequences of 64 tokens per step (micro batch 2 × accumulation 4 × dp 2)"

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from neuron_parallel.checkpoint.format import MANIFEST, Manifest, Piece, TensorEntry
 from neuron_parallel.checkpoint.tensors import CheckpointTensors
 from neuron_parallel.config import TrainConfig
-from neuron_parallel.optim import all_reduce_grads, clip_grad_norm, lr_at
+from neuron_parallel.optim import clip_grad_norm, lr_at
+from neuron_parallel.parallel.data_parallel import GradReducer
 
 
 def test_lr_warmup_cosine_floor_and_constant():
@@ -46,15 +47,18 @@ def test_clip_grad_norm_matches_torch(max_norm):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_all_reduce_grads_averages_through_small_buckets(world_of_one):
-    """With world=2 passed on a group of one, the bucketed sum-then-divide halves every gradient:
-    a tiny bucket cap forces several buckets, and every element comes back in its own place."""
+def test_grad_reducer_averages_through_small_buckets(world_of_one):
+    """With world=2 passed on a group of one, the reducer's bucketed sum-then-divide (no hooks:
+    every bucket at ``finish``) halves every gradient: a tiny bucket cap forces several buckets,
+    and every element comes back in its own place. With world=1 nothing is divided."""
     ps = _params()
     before = [p.grad.clone() for p in ps]
-    all_reduce_grads(ps, world_of_one, world=2, bucket_bytes=64)
+    reducer = GradReducer(ps, world_of_one, 2, bucket_bytes=64, hooks=False)
+    assert len(reducer.buckets) == 3
+    reducer.finish()
     for p, b in zip(ps, before):
         assert torch.equal(p.grad, b / 2)
-    all_reduce_grads(ps, world_of_one, world=1)  # world 1: untouched
+    GradReducer(ps, world_of_one, 1, hooks=False).finish()  # world 1: untouched
     assert all(torch.equal(p.grad, b / 2) for p, b in zip(ps, before))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neuron_parallel.checkpoint import consolidate_checkpoint
+from neuron_parallel.checkpoint import export_checkpoint
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "optimum-neuron"
 VARIANTS = sorted(p.name.removeprefix("ckpt_tp2_") for p in FIXTURES.glob("ckpt_tp2_*"))
@@ -21,7 +21,7 @@ def test_every_variant_is_here():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_consolidation_equals_optimum_neurons_bit_for_bit(variant, tmp_path):
-    out = consolidate_checkpoint(FIXTURES / f"ckpt_tp2_{variant}", tmp_path / "hf")
+    out = export_checkpoint(FIXTURES / f"ckpt_tp2_{variant}", tmp_path / "hf")
     ours = {}
     for f in sorted(Path(out).glob("*.safetensors")):
         ours.update(load_file(f))

@@ -9,7 +9,7 @@ import pytest
 
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_flows.tasks.consolidate import _remove_consolidated
-from neuron_parallel.checkpoint import consolidate_checkpoint
+from neuron_parallel.checkpoint import export_checkpoint
 from neuron_parallel.checkpoint.output import is_ours
 
 CKPT = Path(__file__).resolve().parents[1] / "fixtures" / "optimum-neuron" / "ckpt_tp2_base"
@@ -31,18 +31,18 @@ def _contents(path: Path) -> dict[str, bytes]:
 def test_consolidating_into_a_folder_of_other_files_is_refused_and_changes_nothing(tmp_path):
     files = _users_folder(tmp_path / "base-model")
     with pytest.raises(ValueError, match="did not write"):
-        consolidate_checkpoint(CKPT, tmp_path / "base-model")
+        export_checkpoint(CKPT, tmp_path / "base-model")
     assert _contents(tmp_path / "base-model") == files
 
 
 def test_a_new_or_earlier_output_is_written_and_marked(tmp_path):
-    out = consolidate_checkpoint(CKPT, tmp_path / "hf")
+    out = export_checkpoint(CKPT, tmp_path / "hf")
     assert is_ours(out) and (out / "model.safetensors").is_file()
     first = (out / "model.safetensors").read_bytes()
-    assert consolidate_checkpoint(CKPT, out) == out  # a retry writes over its own output
+    assert export_checkpoint(CKPT, out) == out  # a retry writes over its own output
     assert (out / "model.safetensors").read_bytes() == first
     (tmp_path / "empty").mkdir()
-    assert is_ours(consolidate_checkpoint(CKPT, tmp_path / "empty"))
+    assert is_ours(export_checkpoint(CKPT, tmp_path / "empty"))
 
 
 def test_the_cli_refuses_with_exit_2_and_no_traceback(tmp_path):
@@ -65,7 +65,7 @@ def test_the_rollback_removes_only_a_directory_neuron_flows_wrote(tmp_path):
     files = _users_folder(tmp_path / "users")
     _remove_consolidated(_Txn(tmp_path / "users"))
     assert _contents(tmp_path / "users") == files
-    ours = consolidate_checkpoint(CKPT, tmp_path / "ours")
+    ours = export_checkpoint(CKPT, tmp_path / "ours")
     _remove_consolidated(_Txn(ours))
     assert not ours.exists()
 

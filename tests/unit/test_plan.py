@@ -3,7 +3,8 @@
 import pytest
 
 from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
-from neuron_parallel.planning.layout import check_layout
+from neuron_parallel.planning.layout import check_layout, describe_layout
+from neuron_parallel.planning.search import Candidate
 
 
 def job(model, **parallel):
@@ -46,3 +47,13 @@ def test_bad_plans_name_the_fix(tiny_world, parallel, match):
 def test_world_size_must_be_divisible():
     with pytest.raises(ValueError, match="not divisible by tp × pp = 2 × 2 = 4"):
         ParallelConfig.for_world(6, tp=2, pp=2)
+
+
+def test_one_printed_form_of_a_layout_for_config_and_planner():
+    pc = ParallelConfig(dp=2, tp=2, zero_1=True, sequence_parallel=True)
+    assert describe_layout(pc) == "tp=2 pp=1 dp=2 zero1 sp"
+    piped = ParallelConfig(pp=2, num_microbatches=4, activation_checkpointing=2)
+    assert describe_layout(piped) == "tp=1 pp=2 dp=1 recompute-every-2 1f1b×4"
+    c = Candidate(tp=1, pp=2, dp=1, num_microbatches=4, activation_checkpointing=1, micro_batch_size=4, grad_accum=2)
+    assert c.describe() == "tp=1 pp=2 dp=1 recompute 1f1b×4 mbs=4 accum=2"
+    assert c.describe().startswith(describe_layout(c.to_parallel_config()))

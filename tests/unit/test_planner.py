@@ -1,6 +1,7 @@
-"""The planner: hardware catalog, memory model and ranked layouts, against FACTS.md's figures and
-published configurations. Pure Python (no torch, no processes) except the check_plan round trip,
-which reads the tiny model's config. Memory calibration against real runs is bench/planner.py."""
+"""The planner: hardware catalog, memory model and ranked layouts, against published figures (the
+ZeRO paper, AWS's Trainium specifications) and published configurations. Pure Python (no torch,
+no processes) except the check_plan round trip, which reads the tiny model's config. Memory
+calibration against real runs is bench/planner.py."""
 
 import json
 
@@ -51,7 +52,8 @@ def _published(report, tp, pp, dp):
 
 
 def test_zero_paper_test_vector():
-    # FACTS.md: Ψ = 7.5e9, dp = 64 → 120 GB plain, 31.4 GB with ZeRO-1 (4Ψ + 12Ψ/dp).
+    # The ZeRO paper (Rajbhandari et al. 2020), figure 1: Ψ = 7.5e9, dp = 64 → 120 GB plain, 31.4 GB
+    # with ZeRO-1 (4Ψ + 12Ψ/dp).
     assert model_states_bytes(7.5e9, dp=64, zero_1=False, precision="bf16") == 120e9
     assert round(model_states_bytes(7.5e9, dp=64, zero_1=True, precision="bf16") / 1e9, 1) == 31.4
     # The engine's fp32 mode: 16 bytes/param, ZeRO-1 shards the 8 bytes of Adam moments.
@@ -81,7 +83,7 @@ def test_zero_partition_replays_zero_redundancy_optimizer():
 def test_hardware_catalog(tmp_path):
     trn2 = get_hardware("trn2.48xlarge")
     assert (trn2.ranks_per_node, trn2.memory_per_rank, trn2.device, trn2.backend) == (64, 24 * GiB, "neuron", "neuron")
-    assert round(trn2.peak_flops_per_rank / 1e12) == 167  # FACTS: 667 TFLOP/s per chip, 4 ranks at LNC=2
+    assert round(trn2.peak_flops_per_rank / 1e12) == 167  # AWS: 667 TFLOP/s per Trainium2 chip, 4 ranks at LNC=2
     trn1 = get_hardware("trn1")
     assert (trn1.ranks_per_node, trn1.memory_per_rank, trn1.planning_only) == (32, 16 * GiB, True)
     assert get_hardware("p5.48xlarge").backend == "nccl" and get_hardware("h200x8").memory_per_rank == 141e9
@@ -295,9 +297,9 @@ def _auto_config(tiny_world, *overrides):
 
 
 def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
-    from neuron_flows.tasks.config import plan_layout
+    from neuron_flows.tasks import steps
 
-    free, report = plan_layout(_auto_config(tiny_world), tiny_world["model"])
+    free, report = steps.plan(_auto_config(tiny_world), tiny_world["model"])
     best = report.best
     assert (free.parallel.tp, free.parallel.pp, free.parallel.dp, free.parallel.zero_1) == (
         best.tp,
@@ -307,11 +309,11 @@ def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
     )
     assert free.micro_batch_size * free.grad_accum * free.parallel.dp == free.global_batch_size == 8
     assert free.predicted_memory_bytes == best.memory_per_rank_bytes and "chosen by the planner" in free.notes[-1]
-    pinned, report = plan_layout(_auto_config(tiny_world, "parallel.tp=2", "parallel.pp=2"), tiny_world["model"])
+    pinned, report = steps.plan(_auto_config(tiny_world, "parallel.tp=2", "parallel.pp=2"), tiny_world["model"])
     assert (pinned.parallel.tp, pinned.parallel.pp, pinned.parallel.dp) == (2, 2, 1)
     assert pinned.parallel.num_microbatches >= 2 and pinned.global_batch_size == 8
     assert all((c.tp, c.pp) == (2, 2) for c in report.candidates)
-    fixed, report = plan_layout(
+    fixed, report = steps.plan(
         _auto_config(
             tiny_world,
             *PINNED_LAYOUT,
@@ -327,7 +329,7 @@ def test_auto_layout_is_the_planners_best_with_pins_kept(tiny_world):
 
 
 def test_auto_layout_that_cannot_fit_says_why_before_launch(tiny_world, tmp_path):
-    from neuron_flows.tasks.config import plan_layout
+    from neuron_flows.tasks import steps
 
     (tmp_path / "small.yaml").write_text(
         "name: small\nranks_per_node: 4\nmemory_per_rank: 1MiB\n"
@@ -336,15 +338,13 @@ def test_auto_layout_that_cannot_fit_says_why_before_launch(tiny_world, tmp_path
     )
     config = _auto_config(tiny_world, f"launch.hardware={tmp_path / 'small.yaml'}")
     with pytest.raises(ValueError, match=r"no parallel layout fits: no layout fits 0\.0 GiB per small rank"):
-        plan_layout(config, tiny_world["model"])
+        steps.plan(config, tiny_world["model"])
 
 
 def test_layer_split_pins_the_stage_count(tiny_world):
-    from neuron_flows.tasks.config import plan_layout
+    from neuron_flows.tasks import steps
 
-    chosen, _ = plan_layout(
-        _auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"), tiny_world["model"]
-    )
+    chosen, _ = steps.plan(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,3]"), tiny_world["model"])
     assert chosen.parallel.virtual_stages == 1 and chosen.layers_per_stage == [1, 3]
     with pytest.raises(ValueError, match=r"layer_split=\[1, 2\] must be 2 positive counts"):
-        plan_layout(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,2]"), tiny_world["model"])
+        steps.plan(_auto_config(tiny_world, "parallel.pp=2", "parallel.layer_split=[1,2]"), tiny_world["model"])

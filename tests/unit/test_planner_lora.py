@@ -22,7 +22,7 @@ from neuron_parallel.planning.search import format_table, search_layouts
 
 from .test_planner import LLAMA_8B
 
-TRN2_RANK = 24 * GiB  # FACTS.md: ≈24 GiB of HBM per logical NeuronCore (LNC=2) on trn2.48xlarge
+TRN2_RANK = 24 * GiB  # AWS: 96 GiB of HBM per Trainium2 chip, 4 logical NeuronCores per chip at LNC=2
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,8 @@ def test_cli_plans_lora_with_headroom(tmp_path, capsys):
 
 
 def test_config_plans_for_its_lora_and_memory_fraction(tiny_world):
-    from neuron_flows.tasks.config import FinetuneConfig, plan_layout
+    from neuron_flows.tasks import steps
+    from neuron_flows.tasks.config import FinetuneConfig
 
     config = FinetuneConfig.load(
         None,
@@ -227,7 +228,7 @@ def test_config_plans_for_its_lora_and_memory_fraction(tiny_world):
             "launch.memory_fraction=0.5",
         ],
     )
-    layout, report = plan_layout(config, tiny_world["model"])
+    layout, report = steps.plan(config, tiny_world["model"])
     assert report.lora == LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) and report.memory_fraction == 0.5
     assert layout.predicted_memory_bytes == report.best.memory_per_rank_bytes
     # The engine-side prediction reads the job's train.lora.

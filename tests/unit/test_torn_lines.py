@@ -4,7 +4,7 @@ is read by a real launch in tests/dist/test_rank_lines.py)."""
 
 import json
 
-from neuron_parallel.launch import EVENT_PREFIX, _event
+from neuron_parallel.launch import EVENT_PREFIX, read_event
 from neuron_parallel.reporting import read_metrics
 from neuron_parallel.train import _truncate_metrics
 
@@ -22,8 +22,8 @@ def test_a_torn_last_metrics_line_is_skipped_and_dropped_on_resume(tmp_path):
 
 def test_an_event_line_broken_by_other_output_is_output_not_a_failure():
     whole = EVENT_PREFIX + json.dumps({"event": "step", "step": 3})
-    assert _event(whole) == {"event": "step", "step": 3}
-    assert _event(whole[:25] + "[rank1] loading weights") is None
-    assert _event("plain output") is None and _event(EVENT_PREFIX + "[1, 2]") is None
+    assert read_event(whole) == {"event": "step", "step": 3}
+    assert read_event(whole[:25] + "[rank1] loading weights") is None
+    assert read_event("plain output") is None and read_event(EVENT_PREFIX + "[1, 2]") is None
     # Another rank printed its text but not yet its newline when this line was written whole.
-    assert _event("[rank1] step 3 loss 2.1" + whole) == {"event": "step", "step": 3}
+    assert read_event("[rank1] step 3 loss 2.1" + whole) == {"event": "step", "step": 3}

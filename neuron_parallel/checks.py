@@ -1,6 +1,7 @@
-"""Checks a run makes before it reads any data or starts any rank, so that a run which cannot
-work fails in seconds, with a message naming the problem and the fix, rather than after
-tokenization or inside torchrun:
+"""Checks of the machine, the model's files and the Hub that the pipeline's preflight step
+makes before it reads any data or starts any rank, so that a run which cannot work fails in
+seconds, with a message naming the problem and the fix, rather than after tokenization or
+inside torchrun:
 
 - ``check_device``: the machine has the device (and as many of them) as the launch names;
 - ``check_model_dir``: the model directory's weights cover every parameter its config.json

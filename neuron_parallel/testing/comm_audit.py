@@ -19,6 +19,12 @@ embedding and lm_head, three per-token fp32 vectors for the vocab-parallel cross
 sum of the gradients of replicated weights (SP norms, replicated KV heads); PP one activation and
 one gradient per microbatch per stage boundary; DP one reduction of the gradient bytes; ZeRO-1 one
 copy of the parameters to every dp rank.
+
+Run as a module under torchrun (``run_ranks(RANK_MODULE, n, [job.json])``), each rank builds the
+job's engine through the training path, trains step 1 (the pipeline's shape inference sends
+objects on the first step only), records step 2 and reports its :func:`rank_report`
+(:func:`audit_rank`); :func:`aggregate` sums the ranks' rows. ``bench/comm.py`` and
+``tests/dist/test_comm.py`` both run this audit.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .dtensor import local
+from ..parallel.dtensor import local
 
 KINDS = {
     "allreduce_": "all_reduce",
@@ -202,7 +208,7 @@ def minimum_bytes(engine, job) -> dict[tuple[str, str], float]:
 def _pipeline_minimum(engine, out: dict, per_boundary: float) -> None:
     """Per stage boundary this rank sits on (with another rank): every microbatch's activation
     forward and its gradient backward; with tied embeddings split over stages, the pair's grads."""
-    from .pipeline import stage_ids_for_rank
+    from ..parallel.pipeline import stage_ids_for_rank
 
     pc = engine.job.parallel
     layout = {"pp": pc.pp, "virtual_stages": pc.virtual_stages, "schedule": pc.pipeline_schedule}
@@ -259,3 +265,85 @@ def rank_report(log: CollectiveLog, engine, job) -> dict:
         row.setdefault("phases", {})
         row["phases"][r.phase or "step"] = row["phases"].get(r.phase or "step", 0) + 1
     return {"rows": list(rows.values()), "num_params": len(engine.parameters())}
+
+
+RANK_MODULE = "neuron_parallel.testing.comm_audit"
+"""What ``run_ranks`` runs for the audit: this module, with a job.json as its argument."""
+LAYOUTS = {
+    "dp2-tp2-pp2": (8, dict(tp=2, pp=2, sequence_parallel=True, zero_1=True, num_microbatches=2)),
+    "tp4": (4, dict(tp=4, sequence_parallel=True)),
+}
+"""The audited layouts: world size and ``ParallelConfig.for_world`` settings. ``dp2-tp2-pp2``:
+sequence parallel, ZeRO-1, 1F1B with 2 microbatches; ``tp4``: sequence parallel, the tiny
+model's 2 KV heads each replicated on 2 ranks."""
+GOAL = 1.10
+"""The most bytes a step may move, as a multiple of its layout's minimum."""
+
+
+def audit_rank(job_path: str) -> dict:
+    """One rank (inside torchrun, process group not yet started): build the engine of the job
+    at ``job_path``, train step 1, record step 2; this rank's :func:`rank_report` and its mesh
+    coordinates."""
+    from ..batches import BlockStream
+    from ..config import JobConfig
+    from ..engine import build_engine
+    from ..mesh import ParallelDims, init_distributed, local_device
+    from ..train import Trainer
+
+    job = JobConfig.load(job_path)
+    init_distributed(job.device)
+    pc = job.parallel
+    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+    engine = build_engine(job, dims, local_device(job.device))
+    trainer = Trainer(job, engine, BlockStream(job.dataset_path, seed=job.train.seed), dims, None, None)
+    trainer.train_step(1)
+    log = CollectiveLog(axis_names(dims.mesh))
+    with log, engine_phases(engine, log):
+        trainer.train_step(2)
+    return {**rank_report(log, engine, job), **dims.coordinates()}
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """The ranks' rows (:func:`rank_report`) summed per kind, axis and scalar-ness, each with the
+    worst rank's ratio of bytes to the minimum, the overall ``ratio`` and the per-phase counts."""
+    rows: dict[tuple, dict] = {}
+    for res in results:
+        for r in res["rows"]:
+            key = (r["kind"], r["axis"], r["scalar"])
+            row = rows.setdefault(
+                key,
+                dict(kind=r["kind"], axis=r["axis"], scalar=r["scalar"], count=0, bytes=0, minimum_bytes=0.0),
+            )
+            row.setdefault("phases", defaultdict(int))
+            row.setdefault("worst_rank_ratio", 0.0)
+            row["count"] += r["count"]
+            row["bytes"] += r["bytes"]
+            row["minimum_bytes"] += r["minimum_bytes"]
+            for phase, c in r.get("phases", {}).items():
+                row["phases"][phase] += c
+            if r["minimum_bytes"]:
+                row["worst_rank_ratio"] = max(row["worst_rank_ratio"], r["bytes"] / r["minimum_bytes"])
+    out = sorted(rows.values(), key=lambda r: (r["scalar"], r["axis"], r["kind"]))
+    for r in out:
+        r["ratio"] = r["bytes"] / r["minimum_bytes"] if r["minimum_bytes"] else None
+        r["phases"] = dict(r["phases"])
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python -m neuron_parallel.testing.comm_audit JOB_JSON`` on every rank: the audit of one
+    step, reported with ``print_rank_result``."""
+    from ..mesh import close_distributed
+    from .ranks import print_rank_result
+
+    print_rank_result(audit_rank(argv[0]))
+    close_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ..mesh import exit_rank
+
+    exit_rank(main(sys.argv[1:]))

@@ -1,9 +1,10 @@
 """Benchmark: our tokenize step (``neuron_parallel.data.tokenize_data``) against raw ``tokenizers``
 batch encoding of the same texts on the same cores. Goal: ours >= 0.8x the baseline's throughput.
 
-    .venv/bin/python bench/tokenize.py [--size-mb 20] [--chat-size-mb 5] [--repeats 3] [--threads N]
-                                       [--block-size 1024] [--num-proc N] [--profile auto|always|never]
-                                       [--cases text,chat] [--workdir DIR] [--keep]
+    .venv/bin/python bench/tokenization.py [--quick] [--size-mb 20] [--chat-size-mb 5] [--repeats 3]
+                                           [--threads N] [--block-size 1024] [--num-proc N]
+                                           [--profile auto|always|never] [--cases text,chat]
+                                           [--workdir DIR] [--keep]
 
 Inputs, built offline and untimed: the tiny world (``neuron_parallel.tiny.make_tiny_world``; its
 byte-level BPE tokenizer in ``model/``), then
@@ -41,29 +42,34 @@ checked to agree: ours counts one EOS per text document more (the stream ends ea
 EOS); chat adds none. When a case misses the goal (or with ``--profile always``), one more run of
 ours under cProfile (not in the table) shows where its time goes.
 Prints the table, the load average before and after, cores and threads; writes
-bench/results/tokenize.json.
+bench/results/tokenization.json. ``--quick``: 1 MB of text, 0.5 MB of chat, one repeat, no profile.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# This file is named like the standard library's ``tokenize`` (which ``inspect``, ``linecache`` and
-# so ``transformers`` import): put its directory behind the standard library on sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from statistics import median  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_util import (
+    RESULTS,
+    loadavg,
+    log,
+    median,
+    parser,
+    pick,
+    print_table,
+    run_child,
+    thread_waits_ns,
+    verdict,
+    write_results,
+)
 
 GOAL = 0.8
 CASES = ("text", "chat")
@@ -99,20 +105,9 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _waits() -> dict[str, int]:
-    """Nanoseconds each thread of this process has waited, runnable, for a core (schedstat)."""
-    out = {}
-    for task in Path("/proc/self/task").glob("*"):
-        try:
-            out[task.name] = int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
 def _waited_s(before: dict[str, int]) -> float:
     """Seconds this process's threads waited for a core since ``before`` (threads that ended are lost)."""
-    return sum(ns - before.get(tid, 0) for tid, ns in _waits().items()) / 1e9
+    return sum(ns - before.get(tid, 0) for tid, ns in thread_waits_ns().items()) / 1e9
 
 
 def _setup(spec: dict) -> None:
@@ -154,7 +149,7 @@ def child_ours(spec: dict) -> dict:
     AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     data = _data_config(spec)
     prof = cProfile.Profile() if spec.get("profile") else None
-    c0, w0, t0 = _cpu_s(), _waits(), time.perf_counter()
+    c0, w0, t0 = _cpu_s(), thread_waits_ns(), time.perf_counter()
     if prof:
         prof.enable()
     ds = tokenize_data(data, spec["tokenizer_dir"], num_proc=spec["num_proc"])
@@ -198,7 +193,7 @@ def child_baseline(spec: dict) -> dict:
     t0 = time.perf_counter()
     tok = Tokenizer.from_file(str(Path(spec["tokenizer_dir"]) / "tokenizer.json"))
     load_s = time.perf_counter() - t0
-    c0, w0, t0 = _cpu_s(), _waits(), time.perf_counter()
+    c0, w0, t0 = _cpu_s(), thread_waits_ns(), time.perf_counter()
     encodings = tok.encode_batch(texts, add_special_tokens=False)
     seconds, cpu, waited = time.perf_counter() - t0, _cpu_s() - c0, _waited_s(w0)
     tokens = sum(len(e.ids) for e in encodings)
@@ -283,8 +278,6 @@ class Runner:
 
     def measure(self, kind: str, case: str, *, profile: bool = False) -> dict:
         """One measurement in its own subprocess; its scratch directories are removed after."""
-        from bench_util import log, run_child  # the parent's only: it imports the trainer (torchrun launcher)
-
         self.count += 1
         scratch = self.work / f"run-{self.count}-{kind}-{case}"
         scratch.mkdir()
@@ -349,7 +342,7 @@ def summarise(case: str, runs: list[dict], documents: int) -> dict:
     }
 
 
-def print_table(report: dict) -> None:
+def print_report(report: dict) -> None:
     s, inp = report["summary"], report["inputs"]
     print()
     print(
@@ -364,19 +357,15 @@ def print_table(report: dict) -> None:
         f"{report['args']['repeats']} repeats, medians"
     )
     print()
-    hdr = (
-        f"{'case':<20}{'baseline s':>11}{'ours s':>9}{'tokens':>13}{'base Mtok/s':>13}{'ours Mtok/s':>13}"
-        f"{'ratio':>8}{'goal':>6}  result{'cpu ratio':>11}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
     names = {"text": "text (stream)", "chat": "chat (documents)"}
-    for case, r in s.items():
-        print(
-            f"{names[case]:<20}{r['baseline_s']:>11.2f}{r['ours_s']:>9.2f}{r['baseline_tokens']:>13,}"
-            f"{r['baseline_tokens_per_s'] / 1e6:>13.2f}{r['ours_tokens_per_s'] / 1e6:>13.2f}{r['ratio']:>7.2f}x"
-            f"{GOAL:>6}  {'PASS' if r['met'] else 'FAIL':<6}{r['cpu_ratio']:>10.2f}x"
-        )
+    rows = [
+        [names[case], f"{r['baseline_s']:.2f}", f"{r['ours_s']:.2f}", f"{r['baseline_tokens']:,}"]
+        + [f"{r['baseline_tokens_per_s'] / 1e6:.2f}", f"{r['ours_tokens_per_s'] / 1e6:.2f}", f"{r['ratio']:.2f}x"]
+        + [f">= {GOAL}x", verdict(r["met"]), f"{r['cpu_ratio']:.2f}x"]
+        for case, r in s.items()
+    ]
+    headers = ["case", "baseline s", "ours s", "tokens", "base Mtok/s", "ours Mtok/s", "ratio", "goal", "met?"]
+    print_table([*headers, "cpu ratio"], rows)
     print(
         "ratio = baseline s / ours s (the goal); cpu ratio (info) = baseline / ours CPU seconds of all threads, "
         "less disturbed by other load but blind to how well the cores are used"
@@ -411,19 +400,24 @@ def print_profile(case: str, prof: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=20.0, help="text corpus size in MB of text (default 20)")
-    ap.add_argument("--chat-size-mb", type=float, default=5.0, help="chat JSONL size in MB (default 5)")
-    ap.add_argument("--repeats", type=int, default=3, help="measurements of each side per case (default 3)")
+    ap = parser(__doc__, "1 MB of text, 0.5 MB of chat, one repeat, no profile")
+    ap.add_argument("--size-mb", type=float, help="text corpus size in MB of text (default 20)")
+    ap.add_argument("--chat-size-mb", type=float, help="chat JSONL size in MB (default 5)")
+    ap.add_argument("--repeats", type=int, help="measurements of each side per case (default 3)")
     ap.add_argument("--threads", type=int, default=len(_allowed_cores()), help="threads = cores (default: all)")
     ap.add_argument("--block-size", type=int, default=1024)
     ap.add_argument("--num-proc", type=int, default=None, help="tokenize_data's num_proc (default None, as the flow)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of text,chat")
-    ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto", help="auto: cases that fail")
+    ap.add_argument("--profile", choices=["auto", "always", "never"], help="auto (the default): cases that fail")
     ap.add_argument("--workdir", type=Path, default=None, help="where the inputs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the inputs")
-    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "tokenize.json")
-    return ap.parse_args()
+    ap.add_argument("--results", type=Path, default=RESULTS / "tokenization.json")
+    args = ap.parse_args()
+    args.size_mb = pick(args.size_mb, args.quick, 1.0, 20.0)
+    args.chat_size_mb = pick(args.chat_size_mb, args.quick, 0.5, 5.0)
+    args.repeats = pick(args.repeats, args.quick, 1, 3)
+    args.profile = pick(args.profile, args.quick, "never", "auto")
+    return args
 
 
 def _allowed_cores() -> list[int]:
@@ -432,8 +426,6 @@ def _allowed_cores() -> list[int]:
 
 def run(args: argparse.Namespace, work: Path) -> dict:
     cases = [c for c in args.cases.split(",") if c]
-    from bench_util import log
-
     cores = _allowed_cores()[: args.threads]
     t0 = time.perf_counter()
     inputs = build_inputs(work, args.size_mb, args.chat_size_mb)
@@ -448,7 +440,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "cores_used": len(cores),
         "cores_pinned": cores,
         "threads": args.threads,
-        "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "loadavg_before": loadavg(),
     }
     runner = Runner(work, inputs, args, cores)
     runs = []
@@ -456,11 +448,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         for case in cases:
             order = ("baseline", "ours") if rep % 2 == 0 else ("ours", "baseline")
             runs.extend(runner.measure(kind, case) for kind in order)
-    host["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    host["loadavg_after"] = loadavg()
     summary = {c: summarise(c, runs, inputs[c]["documents"]) for c in cases}
     report = {"host": host, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     report.update(inputs=inputs, runs=runs, summary=summary, profiles={})
-    print_table(report)
+    print_report(report)
     for case in cases:
         if args.profile == "always" or (args.profile == "auto" and not summary[case]["met"]):
             report["profiles"][case] = runner.measure("ours", case, profile=True)["profile"]
@@ -475,14 +467,13 @@ def main() -> None:
     args = parse_args()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tokenize-bench-", dir=args.workdir))
+    work = Path(tempfile.mkdtemp(prefix="tokenization-bench-", dir=args.workdir))
     started = time.perf_counter()
     try:
         report = run(args, work)
         report["total_s"] = time.perf_counter() - started
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(report, indent=1))
-        print(f"\n[bench] wrote {args.results} ({report['total_s']:.0f}s in all)")
+        print(f"\n[bench] {report['total_s']:.0f}s in all")
+        write_results(args.results, report)
     finally:
         if args.keep:
             print(f"[bench] kept {work}")

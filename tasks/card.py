@@ -1,0 +1,67 @@
+"""The model card of a run's consolidated model: its training summary, its config with the
+planner's choices filled in, and the card written beside the weights with the loss curve."""
+
+import json
+from pathlib import Path
+
+from neuron_parallel.config import PLANNED_FIELDS, JobConfig
+from neuron_parallel.data import AUDIT_FILE
+from neuron_parallel.hub import base_model_license, card_data_table, write_model_card
+from neuron_parallel.launch import TrainResult
+from neuron_parallel.planning.layout import CheckedLayout, describe_layout
+from neuron_parallel.reporting import loss_curve_png, read_metrics
+from neuron_parallel.run_files import JOB_FILE, LOSS_CURVE_FILE, METRICS_FILE
+
+from .config import FinetuneConfig
+
+
+def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLayout) -> dict[str, object]:
+    """The model card's training summary: steps, losses, tokens, layout and hardware."""
+    metrics, pc = result.last_metrics, layout.parallel
+    summary = {
+        "steps": result.final_step,
+        "final loss": round(metrics.get("loss", float("nan")), 4),
+        **({"eval loss": round(metrics["eval_loss"], 4)} if "eval_loss" in metrics else {}),
+        "layout": describe_layout(pc),
+        "batch": f"{layout.global_batch_size} sequences of {config.data.block_size} tokens per step "
+        f"(micro batch {layout.micro_batch_size} × accumulation {layout.grad_accum} × dp {pc.dp})",
+        "hardware": f"{config.hardware}: {config.launch.nnodes} node(s) × {config.launch.nproc_per_node} "
+        f"{config.launch.device} rank(s), {pc.mixed_precision}",
+        "tokens seen": metrics.get("tokens_seen"),
+    }
+    lora = config.train.lora
+    if lora is not None:
+        summary["LoRA"] = f"r={lora.r} alpha={lora.alpha:g} on {', '.join(lora.target_modules)} ({config.hub.upload})"
+    return summary
+
+
+def card_config(config: FinetuneConfig, layout: CheckedLayout) -> dict:
+    """The run's configuration as the card shows it: the fields left ``auto`` hold what the
+    planner chose, so that the block runs the same layout anywhere."""
+    dumped = config.model_dump(mode="json")
+    chosen = {"parallel": layout.parallel, "train": layout}
+    for section, names in PLANNED_FIELDS.items():
+        for name in names:
+            if dumped[section][name] == "auto":
+                dumped[section][name] = getattr(chosen[section], name)
+    return dumped
+
+
+def write_card(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: CheckedLayout) -> None:
+    """The model card, with the loss curve beside it and the data as the tokenize step audited it."""
+    job = JobConfig.load(Path(result.run_dir) / JOB_FILE)
+    audit_path = Path(job.dataset_path).parent / AUDIT_FILE  # beside the rows (see TokenizedDataset.path)
+    audit = json.loads(audit_path.read_text()) if audit_path.is_file() else {}
+    sources = [config.data.source] if isinstance(config.data.source, str) else list(config.data.source)
+    (Path(model_dir) / LOSS_CURVE_FILE).write_bytes(loss_curve_png(read_metrics(Path(result.run_dir) / METRICS_FILE)))
+    write_model_card(
+        model_dir,
+        repo_id=config.hub.repo_id,
+        base_model=config.model.name_or_path,
+        datasets=sources,
+        summary=card_summary(config, result, layout),
+        data=card_data_table(audit, sources=sources, block_size=job.block_size) if audit else None,
+        config=card_config(config, layout),
+        loss_curve=LOSS_CURVE_FILE,
+        license=base_model_license(job.model_path),
+    )

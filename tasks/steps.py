@@ -1,0 +1,225 @@
+"""The pipeline's steps as plain functions, without Prefect: each Prefect task of this package
+wraps one (retries, caching, artifacts, logging), and ``neuron-flows train`` calls preflight,
+tokenize, plan and train in order, so the pipeline is written once.
+
+Each step takes the run's :class:`FinetuneConfig` and what the steps before it returned, and
+``log``, where its lines go (``print`` for the command, the run logger for a task). A bad input
+raises ``ValueError`` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import FinetuneConfig
+
+if TYPE_CHECKING:
+    from neuron_parallel.data import TokenizedDataset
+    from neuron_parallel.hub import HubCommit
+    from neuron_parallel.launch import TrainResult
+    from neuron_parallel.planning.layout import CheckedLayout
+    from neuron_parallel.planning.search import LayoutSearch
+
+Log = Callable[[str], None]
+GiB = 1 << 30
+
+
+def _quiet(line: str) -> None:
+    """The default ``log``: lines are dropped."""
+
+
+def model_dir(config: FinetuneConfig) -> str:
+    """The local directory of the run's model (a Hub name fetched into the cache first)."""
+    from neuron_parallel.models import resolve_model_dir
+
+    return resolve_model_dir(config.model.name_or_path, config.model.revision)
+
+
+def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upload: bool = False) -> None:
+    """Refuse, before any data is read or any rank starts, what the machine, the model's or the
+    data's files or the Hub already show cannot work: the device, the data files, a local model
+    directory and the layout on it, and (``check_upload``) the Hub endpoint with ``hub_token``. A
+    Hub model is checked by the plan step once fetched."""
+    from neuron_parallel.checks import check_device, check_hub, check_model_dir
+    from neuron_parallel.data import local_data_files
+    from neuron_parallel.models import resolve_model_dir
+    from neuron_parallel.utils import names_local_path
+
+    check_device(config.to_launch())
+    for source in (config.data.source, config.data.eval_source):
+        if source is not None:
+            local_data_files(source)
+    name = config.model.name_or_path
+    if Path(name).expanduser().exists() or names_local_path(name):
+        local = resolve_model_dir(name)  # a local path: refused here if it is not a model directory
+        check_model_dir(local)
+        plan(config, local)
+    if check_upload and config.hub.repo_id:
+        check_hub(config.hub.endpoint, config.hub.repo_id, hub_token)
+
+
+def tokenize(config: FinetuneConfig, log: Log = _quiet) -> TokenizedDataset:
+    """Tokenize, mask and pack the run's data (cached by fingerprint); logs the audit's summary."""
+    from neuron_parallel.audit import audit_summary
+    from neuron_parallel.data import tokenize_data
+
+    ds = tokenize_data(config.library("data"), model_dir(config))
+    log(
+        f"data: {ds.num_blocks} rows of {ds.block_size} tokens ({ds.attention} attention), "
+        f"fingerprint {ds.fingerprint}; {audit_summary(ds.audit)}"
+    )
+    return ds
+
+
+def plan(
+    config: FinetuneConfig, model: str, dataset_path: str = "", log: Log = _quiet
+) -> tuple[CheckedLayout, LayoutSearch | None]:
+    """The layout this run trains with on the model in directory ``model``, checked against it,
+    and the search that chose it (None when the config pinned every planned field)."""
+    from neuron_parallel.planning.layout import check_layout
+    from neuron_parallel.planning.resolve import resolve_layout
+
+    resolved = config.pinned_layout() or resolve_layout(
+        model,
+        config.pinned(),
+        launch=config.to_launch(),
+        hardware=config.launch.hardware,
+        seq_len=config.data.block_size,
+        global_batch_size=config.train.global_batch_size,
+        mixed_precision=config.parallel.mixed_precision,
+        layer_split=config.parallel.layer_split,
+        lora=config.library("train", micro_batch_size=1).lora,
+        memory_fraction=config.launch.memory_fraction,
+    )
+    checked = check_layout(config.to_job(model_path=model, dataset_path=dataset_path, layout=resolved))
+    best = resolved.chosen
+    if best is None:
+        log(f"plan: given in the config: {'; '.join(checked.notes)}")
+        return checked, None
+    checked = dataclasses.replace(
+        checked,
+        predicted_memory_bytes=best.memory_per_rank_bytes,
+        predicted_tokens_per_s=best.tokens_per_s,
+        notes=[*checked.notes, f"chosen by the planner for {config.hardware}: {best.describe()}"],
+    )
+    log(f"plan: {checked.notes[-1]}, predicted {checked.predicted_memory_bytes / GiB:.2f} GiB per rank")
+    return checked, resolved.search
+
+
+def train(
+    config: FinetuneConfig,
+    dataset: TokenizedDataset,
+    layout: CheckedLayout,
+    *,
+    on_event: Callable[[dict], None],
+    log: Log = _quiet,
+    on_line: Log = _quiet,
+) -> TrainResult:
+    """Train under torchrun (ranks started ahead with the same launch are used); resumes from
+    the newest complete checkpoint in ``output.dir``, so it is safe to run again. On a multi-node
+    launch with ``NEURON_FLOWS_LAUNCH_FILE`` set, the job is published there first for the other
+    nodes' ``neuron-flows join``. ``on_event`` gets the ranks' progress events, ``on_line`` every
+    other line they print."""
+    from neuron_parallel.launch import LAUNCH_FILE_ENV, publish_launch, run_torchrun
+
+    job = config.to_job(
+        model_path=model_dir(config), dataset_path=dataset.path, eval_dataset_path=dataset.eval_path, layout=layout
+    )
+    launch = config.to_launch()
+    if launch.nnodes > 1 and os.environ.get(LAUNCH_FILE_ENV):
+        publish_launch(os.environ[LAUNCH_FILE_ENV], job, launch)
+        log(f"published the launch for {launch.nnodes - 1} more nodes at {os.environ[LAUNCH_FILE_ENV]}")
+    return run_torchrun(job, launch, on_event=on_event, on_line=on_line)
+
+
+def validate(run_dir: str, log: Log = _quiet) -> str:
+    """The newest complete checkpoint of ``run_dir``, every file checked against its manifest;
+    raises ``ValueError`` listing what is wrong."""
+    from neuron_parallel.checkpoint import resolve_checkpoint, validate_checkpoint
+
+    ckpt = resolve_checkpoint(run_dir)
+    problems = validate_checkpoint(ckpt)
+    if problems:
+        raise ValueError(f"checkpoint {ckpt} is invalid:\n" + "\n".join(problems))
+    log(f"checkpoint {ckpt} is valid")
+    return str(ckpt)
+
+
+def consolidate(config: FinetuneConfig, checkpoint: str, log: Log = _quiet) -> str:
+    """The checkpoint as a Hugging Face model directory at ``output.consolidated_dir`` (LoRA runs:
+    the peft adapter, the merged model or both, as ``hub.upload`` says)."""
+    from neuron_parallel.checkpoint import export_checkpoint
+
+    formats = {"fmt": config.output.format, "max_shard_size": config.output.max_shard_size}
+    if config.train.lora is None:
+        out = export_checkpoint(checkpoint, config.consolidated_path, kind="full", **formats)
+    else:
+        base = {"base_model_name": config.model.name_or_path, "base_model_revision": config.model.revision}
+        out = export_checkpoint(checkpoint, config.consolidated_path, kind=config.hub.upload, **base, **formats)
+    log(f"consolidated {checkpoint} -> {out}")
+    return str(out)
+
+
+UPLOAD_RETRIES = 2
+"""Further attempts of an upload that failed for a transient reason (``hub.upload_model``)."""
+UPLOAD_RETRY_DELAY_S = 5.0
+
+
+def upload(
+    config: FinetuneConfig,
+    model_dir: str,
+    result: TrainResult,
+    layout: CheckedLayout,
+    *,
+    token: str | None,
+    log: Log = _quiet,
+    warn: Log = _quiet,
+) -> HubCommit | None:
+    """Write the model card into ``model_dir`` and, when ``hub.repo_id`` is set, upload the
+    directory in one commit (transient failures retried inside, never committed twice)."""
+    from neuron_parallel.hub import upload_model
+
+    from .card import write_card
+
+    write_card(config, model_dir, result, layout)
+    if not config.hub.repo_id:
+        log(f"no hub.repo_id configured: the model stays at {model_dir} and nothing is uploaded")
+        return None
+    commit = upload_model(
+        model_dir,
+        repo_id=config.hub.repo_id,
+        endpoint=config.hub.endpoint,
+        token=token,
+        private=config.hub.private,
+        commit_message=f"neuron-flows: {result.final_step} steps",
+        retries=UPLOAD_RETRIES,
+        retry_delay_s=UPLOAD_RETRY_DELAY_S,
+        on_retry=lambda attempt, err: warn(
+            f"upload attempt {attempt} failed ({type(err).__name__}: {err}); "
+            f"trying again in {UPLOAD_RETRY_DELAY_S:.0f} s"
+        ),
+    )
+    log(f"uploaded to {commit.url} (revision {commit.revision})")
+    return commit
+
+
+def report(
+    result: TrainResult, layout: CheckedLayout, checkpoint: str, model_dir: str, commit: HubCommit | None
+) -> str:
+    """Write the loss curve into the run directory, tag the run's MLflow run (if it reported to
+    MLflow) with the consolidated model and Hub URL, and return the run's summary as markdown."""
+    from neuron_parallel.reporting import loss_curve_png, read_metrics, tag_mlflow_run
+    from neuron_parallel.run_files import LOSS_CURVE_FILE, METRICS_FILE
+
+    from .summary import summary_markdown
+
+    metrics = read_metrics(Path(result.run_dir) / METRICS_FILE)
+    png = loss_curve_png(metrics)
+    (Path(result.run_dir) / LOSS_CURVE_FILE).write_bytes(png)
+    tags = {"consolidated_model": str(Path(model_dir).resolve()), **({"hub_url": commit.url} if commit else {})}
+    tag_mlflow_run(result.run_dir, tags)
+    return summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png)
