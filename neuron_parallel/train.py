@@ -30,12 +30,11 @@ from .batches import BlockStream, EvalRows
 from .checkpoint import CheckpointTensors, CheckpointWriter
 from .checkpoint.engine_state import (
     adapter_meta,
-    check_base_model,
     load_engine_state,
     model_tensors,
     optim_tensors,
 )
-from .checkpoint.format import TRAINER_STATE, base_model_identity
+from .checkpoint.format import TRAINER_STATE, base_model_identity, check_base_model
 from .checkpoint.resume import find_resume_checkpoint
 from .checkpoint.save import CheckpointSaveFailed
 from .config import JobConfig
@@ -47,6 +46,7 @@ from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
 from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes, read_metrics
+from .run_files import JOB_FILE, MEMORY_FILE, METRICS_FILE
 from .utils import write_line
 
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
@@ -283,10 +283,17 @@ class Trainer:
 
 
 def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = None) -> None:
-    """Train ``job`` on this rank (inside torchrun); ``after_checkpoint`` hooks run after every
-    checkpoint (see :data:`CheckpointHook`)."""
-    check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
+    """Train ``job`` on this rank (inside torchrun), in a process group joined for it and left
+    after it; ``after_checkpoint`` hooks run after every checkpoint (see :data:`CheckpointHook`)."""
     init_distributed(job.device, timeout_s=job.launch.timeout_s)
+    train_job(job, after_checkpoint)
+    close_distributed()
+
+
+def train_job(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = None) -> None:
+    """Train ``job`` on this rank in the process group it is in (whose world is the job's);
+    ``run_training`` joins and leaves one around it."""
+    check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
     pc = job.parallel
     dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=job.launch.timeout_s)
     run_dir = Path(job.output_dir)
@@ -299,13 +306,12 @@ def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None =
         _report_memory(probe, job, run_dir)
     dist.barrier()
     emit("done", step=last_step, run_dir=str(run_dir), stopped_early=trainer.eval_state.stopped_early)
-    close_distributed()
 
 
 def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) -> tuple[Trainer, int]:
     """Build the engine, restore the newest checkpoint if any, and announce the start."""
     tc = job.train
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS_FILE
     torch.manual_seed(tc.seed)
     stream = BlockStream(job.dataset_path, seed=tc.seed)
     engine = build_engine(job, dims, local_device(job.device))
@@ -392,7 +398,7 @@ def _report_memory(probe: RankMemoryProbe, job: JobConfig, run_dir: Path) -> Non
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        (run_dir / "memory.json").write_text(json.dumps(everyone, indent=1))
+        (run_dir / MEMORY_FILE).write_text(json.dumps(everyone, indent=1))
         brief = [{k: r[k] for k in ("rank", "measured_bytes", "predicted_bytes", "phase")} for r in everyone]
         emit("memory", ranks=brief)
 
@@ -403,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
         _await_job(Path(argv[0]))
     if len(argv) != 1:
-        raise SystemExit(f"usage: python -m neuron_parallel.train [{AWAIT_JOB}] RUN_DIR/job.json")
+        raise SystemExit(f"usage: python -m neuron_parallel.train [{AWAIT_JOB}] RUN_DIR/{JOB_FILE}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = JobConfig.load(argv[0])
     try:

@@ -78,12 +78,35 @@ def write_job(
     return path
 
 
-def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: int = 300):
-    """Run the real training entry point under torchrun; a ``neuron_parallel.launch.RanksResult``
-    (returncode, stdout, stderr, the entry point's events)."""
-    from neuron_parallel.launch import run_ranks
+def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: int = 300, fresh: bool = False, hooks=()):
+    """Run the real training entry point's job on ``nproc`` ranks; a
+    ``neuron_parallel.testing.ranks.RanksResult`` (returncode, stdout, stderr, the entry point's
+    events). A job with its own ``env`` (or ``fresh``) gets its own torchrun
+    (``python -m neuron_parallel.train``); any other runs on the session's warm ranks of that
+    world size (``neuron_parallel.testing.pool``), which train it with the same ``train_job``,
+    with ``hooks`` (``"module:function"`` names) after every checkpoint.
+    ``NEURON_FLOWS_TEST_FRESH_RANKS=1`` gives every job without hooks its own torchrun."""
+    if env is not None or fresh or (os.environ.get("NEURON_FLOWS_TEST_FRESH_RANKS") == "1" and not hooks):
+        assert not hooks, "checkpoint hooks run on warm ranks only"
+        from neuron_parallel.testing.ranks import run_ranks
 
-    return run_ranks("neuron_parallel.train", nproc, [str(job_path)], env=env, timeout=timeout, cwd=ROOT)
+        return run_ranks("neuron_parallel.train", nproc, [str(job_path)], env=env, timeout=timeout, cwd=ROOT)
+    pool = _POOLS.get(nproc)
+    if pool is None or not pool.alive:
+        from neuron_parallel.testing.pool import RankPool
+
+        pool = _POOLS[nproc] = RankPool(nproc, cwd=ROOT)
+    return pool.run(job_path, hooks=hooks, timeout=timeout)
+
+
+_POOLS: dict = {}
+"""The session's warm ranks, by world size (``torchrun``)."""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,25 +1,18 @@
-"""Inside torchrun: train a LoRA job with the real entry point's ``run_training`` and, after the
-last checkpoint, compare every frozen base parameter this rank holds with the base model's own
-weights, bit for bit. Each rank prints one ``print_rank_result`` line.
-
-    torchrun --nproc_per_node N tests/dist/dist_lora_check.py RUN_DIR/job.json
+"""A checkpoint hook for LoRA jobs (run on warm ranks: ``torchrun(job, n, hooks=[HOOK])`` in the
+tests' conftest): after the last checkpoint, compare every frozen base parameter this rank holds
+with the base model's own weights, bit for bit. Each rank prints one ``print_rank_result`` line.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.distributed as dist
 
 from neuron_parallel.checkpoint.tensors import HFWeights
-from neuron_parallel.config import JobConfig
-from neuron_parallel.launch import print_rank_result
-from neuron_parallel.mesh import exit_rank
 from neuron_parallel.parallel.dtensor import local_view
-from neuron_parallel.train import run_training
+from neuron_parallel.testing.ranks import print_rank_result
 
-RESULT: dict = {}
+HOOK = f"{__name__}:check_base"
 
 
 def check_base(trainer, step: int) -> None:
@@ -36,21 +29,12 @@ def check_base(trainer, step: int) -> None:
         if not torch.equal(local, original):
             changed.append(name)
     trainable = [n for n, _ in trainer.engine.named_parameters()]
-    RESULT.update(
-        rank=dist.get_rank(),
-        checked=checked,
-        changed=changed,
-        trainable=len(trainable),
-        all_adapters=all(n.endswith((".lora_A", ".lora_B")) for n in trainable),
+    print_rank_result(
+        dict(
+            rank=dist.get_rank(),
+            checked=checked,
+            changed=changed,
+            trainable=len(trainable),
+            all_adapters=all(n.endswith((".lora_A", ".lora_B")) for n in trainable),
+        )
     )
-
-
-def main() -> int:
-    torch.set_num_threads(1)
-    run_training(JobConfig.load(sys.argv[1]), after_checkpoint=[check_base])
-    print_rank_result(RESULT)
-    return 0
-
-
-if __name__ == "__main__":
-    exit_rank(main())

@@ -14,18 +14,18 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_parallel.checkpoint import CheckpointTensors, is_complete, list_checkpoints
-from neuron_parallel.launch import process_tree, run_ranks
+from neuron_parallel.procs import process_tree
+from neuron_parallel.testing.ranks import run_ranks
 from neuron_parallel.train import FAIL_AFTER_ENV
 
 from ..conftest import ROOT, max_rel_diff, read_metrics, torchrun, write_job
+from .dist_lora_check import HOOK
 
-CHECK = Path(__file__).with_name("dist_lora_check.py")
 LORA = dict(r=4, alpha=8.0)
 TRAIN = dict(max_steps=5, save_every=0, keep_checkpoints=1, lr=1e-2, warmup_steps=1, seed=3, lora=LORA)
 GLOBAL_BATCH = 8
@@ -41,7 +41,7 @@ def _run(run_dir, world, parallel, model, dataset):
     dp = world // parallel.get("tp", 1) // parallel.get("pp", 1)
     train = dict(TRAIN, optimizer="sgd", lr=0.5, global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH // dp)
     job = write_job(run_dir, model, dataset, world=world, parallel=parallel, train=train)
-    r = run_ranks(CHECK, world, [str(job)], cwd=ROOT, timeout=400)
+    r = torchrun(job, world, hooks=[HOOK], timeout=400)
     assert r.returncode == 0, r.tail()
     assert sorted(x["rank"] for x in r.results) == list(range(world))
     for x in r.results:
