@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -81,12 +82,13 @@ def write_job(
 def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: int = 300, fresh: bool = False, hooks=()):
     """Run the real training entry point's job on ``nproc`` ranks; a
     ``neuron_parallel.testing.ranks.RanksResult`` (returncode, stdout, stderr, the entry point's
-    events). A job with its own ``env`` (or ``fresh``) gets its own torchrun
-    (``python -m neuron_parallel.train``); any other runs on the session's warm ranks of that
-    world size (``neuron_parallel.testing.pool``), which train it with the same ``train_job``,
-    with ``hooks`` (``"module:function"`` names) after every checkpoint.
-    ``NEURON_FLOWS_TEST_FRESH_RANKS=1`` gives every job without hooks its own torchrun."""
-    if env is not None or fresh or (os.environ.get("NEURON_FLOWS_TEST_FRESH_RANKS") == "1" and not hooks):
+    events). A job runs on the session's warm ranks of that world size
+    (``neuron_parallel.testing.pool``: the same ``train_job``, with ``hooks``, ``"module:function"``
+    names, after every checkpoint), unless it needs a process of its own: ``env`` given, the
+    environment changed since the session started (a test's ``monkeypatch``), ``fresh``, or
+    ``NEURON_FLOWS_TEST_FRESH_RANKS=1``; then ``python -m neuron_parallel.train`` runs it."""
+    own = env is not None or fresh or _environ(os.environ) != _SESSION_ENVIRON
+    if own or (os.environ.get("NEURON_FLOWS_TEST_FRESH_RANKS") == "1" and not hooks):
         assert not hooks, "checkpoint hooks run on warm ranks only"
         from neuron_parallel.testing.ranks import run_ranks
 
@@ -99,8 +101,25 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     return pool.run(job_path, hooks=hooks, timeout=timeout)
 
 
+def _environ(environ) -> dict:
+    """An environment as a training job sees it (pytest's own variable apart)."""
+    return {k: v for k, v in environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+_SESSION_ENVIRON = _environ(os.environ)
+"""The environment the warm ranks start with."""
 _POOLS: dict = {}
 """The session's warm ranks, by world size (``torchrun``)."""
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, ``kill``) ends the session as Ctrl-C does: every fixture's teardown
+    runs, so the Prefect servers, services and warm ranks the session started end with it."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_sessionfinish(session, exitstatus):

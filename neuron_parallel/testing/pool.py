@@ -45,7 +45,9 @@ class RankPool:
     def __init__(self, nproc: int, *, cwd: str | Path | None = None, threads: int = 1) -> None:
         self.nproc = nproc
         self.dir = Path(tempfile.mkdtemp(prefix=f"rank-pool-{nproc}-"))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        self.environ = dict(os.environ)
+        """This process's environment when the ranks started: theirs, but for the two below."""
+        env = {**self.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             ranks_command(__name__, nproc, [str(self.dir)], threads),
             stdout=subprocess.PIPE,

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from neuron_parallel.procs import alive  # noqa: F401 (the service tests take it from here)
+from neuron_parallel.procs import (
+    alive,  # noqa: F401 (the service tests take it from here)
+    die_with_parent,
+)
 
 from ..conftest import ROOT
 
@@ -61,6 +64,7 @@ class Service:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent(os.getpid()),  # a pytest killed outright takes the service with it
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
