@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .config import JobConfig, LaunchConfig
 from .procs import die_with_parent, kill_tree
+from .run_files import JOB_FILE
 
 EVENT_PREFIX = "@@neuron-flows "
 """What starts a progress event's line in a rank's output: one JSON object follows (``neuron_parallel.train``)."""
@@ -112,10 +113,10 @@ def run_torchrun(
     are still waiting for one; otherwise torchrun starts here."""
     run_dir = Path(job.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    job_path = run_dir / "job.json"
+    job_path = run_dir / JOB_FILE
     # Atomic: on a shared run directory every node's launcher writes the same job, while ranks
     # that already started may be reading it.
-    tmp = job_path.with_name(f"job.json.tmp-{os.getpid()}")
+    tmp = job_path.with_name(f"{JOB_FILE}.tmp-{os.getpid()}")
     tmp.write_text(job.to_json())
     tmp.replace(job_path)
     tail: deque[str] = deque(maxlen=40)
@@ -177,13 +178,13 @@ class ReadyRanks:
     def __init__(self, launch: LaunchConfig, env: dict[str, str] | None = None) -> None:
         self.launch, self.env = launch, env
         self.dir = Path(tempfile.mkdtemp(prefix="neuron-flows-ranks-"))
-        self.job_path = self.dir / "job.json"
+        self.job_path = self.dir / JOB_FILE
         self.proc = _start_torchrun(torchrun_command(self.job_path, launch, await_job=True), launch, env)
 
     def give(self, job: JobConfig) -> subprocess.Popen:
         """Hand ``job`` to the waiting ranks (written atomically: a rank never reads half a file);
         returns torchrun's process, whose output holds everything the ranks printed so far."""
-        tmp = self.job_path.with_name("job.json.tmp")
+        tmp = self.job_path.with_name(f"{JOB_FILE}.tmp")
         tmp.write_text(job.to_json())
         tmp.replace(self.job_path)
         return self.proc
