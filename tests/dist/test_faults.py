@@ -29,7 +29,7 @@ from neuron_parallel.launch import EVENT_PREFIX, torchrun_command
 from neuron_parallel.procs import kill_tree, process_tree
 from neuron_parallel.reporting import read_metrics
 
-from ..conftest import ROOT, write_job
+from ..conftest import ROOT, torchrun, write_job
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -179,14 +179,13 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
 
 
-def _retry(job: Path) -> tuple[Run, int, int]:
-    """Run ``job`` again in the same run directory: the run, the step it resumed from, its last step."""
-    run = Run(job)
-    code = run.finish()
-    assert code == 0, run.output[-6000:]
-    resumed = [e["step"] for _, e in run.events("resumed")]
-    assert run.survivors() == [], _who(run.survivors())
-    return run, (resumed[0] if resumed else 0), _last_step(job.parent)
+def _retry(job: Path) -> tuple[list[dict], int, int]:
+    """Run ``job`` again in the same run directory (on the session's warm ranks: what is under test
+    is what the faulted run left on disk): its events, the step it resumed from, its last step."""
+    retry = torchrun(job, 2)
+    assert retry.returncode == 0, retry.tail()
+    resumed = [e["step"] for e in retry.events if e["event"] == "resumed"]
+    return retry.events, (resumed[0] if resumed else 0), _last_step(job.parent)
 
 
 def test_fault2_rank_killed_while_async_checkpoint_is_written(tiny_world, tiny_dataset, tmp_path):
@@ -217,7 +216,7 @@ def test_fault2_rank_killed_while_async_checkpoint_is_written(tiny_world, tiny_d
     previous = max(_complete(tmp_path))
     assert previous == hit - every and validate_checkpoint(tmp_path / f"checkpoint-{previous}") == []
 
-    retry, resumed, last = _retry(job)
+    _, resumed, last = _retry(job)
     lost = trained - resumed
     print(
         f"FAULT 2 kill -9 rank 1 during async write of checkpoint-{hit}: steps lost {lost} (interval {every}), "
@@ -256,8 +255,8 @@ def test_fault3_crash_during_sync_checkpoint_write_leaves_a_partial_that_is_igno
     previous = max(_complete(tmp_path))
     assert previous == hit - every and validate_checkpoint(tmp_path / f"checkpoint-{previous}") == []
 
-    retry, resumed, last = _retry(job)
-    warnings = [e["message"] for _, e in retry.events("warning")]
+    events, resumed, last = _retry(job)
+    warnings = [e["message"] for e in events if e["event"] == "warning"]
     leftovers = sorted(p.name for p in tmp_path.glob("checkpoint-*.tmp"))
     print(
         f"FAULT 3 crash during sync write of checkpoint-{hit} ({len(partial)} entries written): steps lost "
@@ -301,7 +300,7 @@ def test_fault5_disk_full_during_async_save_stops_the_run_within_a_step(tiny_wor
     assert "free disk space" in message and f"resumes from checkpoint-{every}" in message, message
     assert _complete(tmp_path) == [every] and validate_checkpoint(tmp_path / f"checkpoint-{every}") == []
 
-    retry, resumed, last = _retry(job)
+    _, resumed, last = _retry(job)
     print(
         f"FAULT 5 disk full (EFBIG on rank 1) during async save of checkpoint-{failed}: stopped after step "
         f"{trained} ({trained - failed} step(s) after the failing save), detect {detect_s:.1f} s, orphan "
@@ -341,7 +340,7 @@ def test_fault10_hung_rank_ends_the_job_within_the_timeout(tiny_world, tiny_data
     assert f"launch.timeout_s={TIMEOUT_S}" in message, out[-4000:]
     previous = max(_complete(tmp_path))
 
-    retry, resumed, last = _retry(job)
+    _, resumed, last = _retry(job)
     print(
         f"FAULT 10 rank 1 SIGSTOPped, launch.timeout_s={TIMEOUT_S}: job ended after {detect_s:.1f} s "
         f"(exit {code}), orphan processes {len(orphans)}, steps lost {trained - resumed} (interval {every}), "
