@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint chromium
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=40
 
 # The tiers alone: unit (no processes, about a minute), dist (torchrun), e2e (Prefect, browser).
 test-unit: $(STAMP)

@@ -18,7 +18,8 @@ WARMUP, HARDWARE, RESULTS.
 * ``plain``: the baseline in this process, on the same device: ``AutoModelForCausalLM`` from the
   same directory in fp32, ``torch.autocast`` bf16, the same batches (``BlockStream``, same seed),
   ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` (torch's default implementation)
-  with the job's settings; a step timed from batch fetch to ``loss.item()``, as ``train.py`` does.
+  with the job's settings; a step timed from batch fetch to ``loss.item()``, which waits for the
+  device (``train.py`` times the steps between two synchronized log steps instead).
 * ``report``: tokens/s (median of the steps after WARMUP), MFU = tokens/s × FLOPs per token /
   peak, where FLOPs per token is ``6 N_non_embedding + 12 L H Q T``
   (``ModelShape.flops_per_token``) and the peak is the hardware catalog's dense bf16 FLOP/s of
@@ -275,7 +276,7 @@ def plain(work: Path) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = loss.item()  # waits for the device, as train.py's step does
+        value = loss.item()  # waits for the device: the step's time holds its device work
         dt = time.perf_counter() - t0
         steps.append({"step": step, "loss": value, "step_time_s": dt, "tokens_per_s": s["mbs"] * s["seq"] / dt})
         log(f"plain step {step}: loss {value:.4f}, {steps[-1]['tokens_per_s']:,.0f} tokens/s")

@@ -82,7 +82,9 @@ def write_job(
             weight_decay=0.0,
             betas=BETAS,
             max_grad_norm=MAX_GRAD_NORM,
-            log_every=max(1, steps),
+            # Every step logs: a row (with its own step_time_s) is written only at a step that
+            # logs, and the medians and the CpuMonitor need one per step, as it ends.
+            log_every=1,
         ),
     )
     run_dir.mkdir(parents=True, exist_ok=True)

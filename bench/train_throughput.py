@@ -19,10 +19,11 @@ Nothing is hard-coded: every number is measured in this invocation.
    ``torch.nn.utils.clip_grad_norm_`` at the job's max norm (ours clips too), and
    ``torch.optim.AdamW`` in its default implementation with the job's lr/betas/eps/weight decay,
    so both runs must follow the same loss curve: the largest loss difference is printed as proof
-   that they did the same work. The plain loop times a step as ``train.py`` does (data fetch to
-   ``loss.item()``) with ``torch.set_num_threads`` = the rank's ``OMP_NUM_THREADS`` (default 1,
-   the launcher's default; on a shared 2-core machine two OpenMP threads per process spin against
-   other load and run several times slower, so 2 threads measure the neighbours, not the code).
+   that they did the same work. The plain loop times a step from data fetch to ``loss.item()``
+   (on CPU the step's whole work, as ``train.py``'s ``step_time_s`` at ``log_every: 1`` is) with
+   ``torch.set_num_threads`` = the rank's ``OMP_NUM_THREADS`` (default 1, the launcher's default;
+   on a shared 2-core machine two OpenMP threads per process spin against other load and run
+   several times slower, so 2 threads measure the neighbours, not the code).
 2. dp=2. neuron_parallel on 2 ranks (OMP_NUM_THREADS=1 each, micro batch = half the 1-rank one, so
    the global batch is the same) against ``transformers.Trainer`` with DDP on 2 ranks: a script
    written to a temp file and launched by torchrun, same model, the same packed rows (a torch

@@ -35,7 +35,7 @@ def _preflight(config, *, check_upload: bool = False):
 
     # A token in a Prefect Secret block is read, and the Hub checked with it, by the flow.
     check_upload = check_upload and not config.hub.token_secret
-    steps.preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload)
+    steps.preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload, warn=_say)
 
 
 def cmd_run(args) -> int:
@@ -391,7 +391,15 @@ def _add_plan(sub) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--precision", choices=["bf16", "fp32", "bf16_autocast"], default="bf16")
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "fp32", "bf16_autocast"],
+        default="bf16",
+        help="bf16: bf16 weights and grads with fp32 master and Adam (the ZeRO paper's mixed precision); "
+        "bf16_autocast: the trainer's parallel.mixed_precision bf16 (auto on cuda and neuron: fp32 states, "
+        "bf16 autocast); fp32: its fp32 (auto on cpu). Compute is planned at the hardware's peak for that "
+        "precision: bf16 matmuls for bf16 and bf16_autocast, fp32 (TF32 on CUDA) for fp32",
+    )
     p.add_argument("--ranks-per-node", type=int, help="override the hardware's ranks per node (e.g. cpu)")
     p.add_argument(
         "--memory-fraction",

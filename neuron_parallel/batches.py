@@ -4,6 +4,10 @@ A tokenized dataset (``neuron_parallel.data.tokenize_data``) holds rows of ``blo
 tokens: ``input_ids``, ``labels`` (the target of each input position, ``IGNORE_INDEX`` where no
 loss is taken) and, for datasets packed by document, ``position_ids`` that restart at 0 where
 each document begins. A row without ``position_ids`` is one causal stream.
+
+Rows are read as numpy arrays and handed over as tensors; what the trainer needs to know about
+them on the host (which rows a step reads, how many labelled positions they hold) is numpy and
+plain Python, so a training step never reads a value back from a tensor for it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -25,44 +30,94 @@ class Batch:
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    targets: int | None = None
+    """Positions that take a loss, counted on the host when the rows were read (None: not counted)."""
+    causal_rows: tuple[bool, ...] | None = None
+    """Per row of document-packed data, :func:`causal_rows` as found on the host when the rows
+    were read (None: not known, so each row attends within its documents)."""
+
+    @property
+    def causal(self) -> bool:
+        """Whether plain causal attention over whole rows, with no mask, trains these rows
+        exactly: a stream, or document rows that are all :func:`causal_rows`."""
+        return self.positions is None or (self.causal_rows is not None and all(self.causal_rows))
 
     @property
     def num_targets(self) -> int:
-        """Positions that take a loss."""
+        """Positions that take a loss: :attr:`targets`, or else counted from ``labels``."""
+        if self.targets is not None:
+            return self.targets
         return int((self.labels != IGNORE_INDEX).sum())
 
     def split(self, count: int) -> list[Batch]:
         """Consecutive batches of ``count`` rows."""
         parts = [t.split(count) if t is not None else None for t in (self.inputs, self.labels, self.positions)]
         n = len(parts[0])
-        return [Batch(parts[0][i], parts[1][i], parts[2][i] if parts[2] is not None else None) for i in range(n)]
+        rows = self.causal_rows
+        return [
+            Batch(
+                parts[0][i],
+                parts[1][i],
+                parts[2][i] if parts[2] is not None else None,
+                causal_rows=rows[i * count : (i + 1) * count] if rows is not None else None,
+            )
+            for i in range(n)
+        ]
+
+
+def causal_rows(positions: np.ndarray, labels: np.ndarray) -> tuple[bool, ...]:
+    """Per row of ``positions`` and ``labels`` (rows, block_size), whether every labelled position
+    lies in the row's first document (before the first position id 0 after the start). Causal
+    attention over the whole row, with no mask, then gives every labelled position exactly what
+    attention within its document gives it: the first document starts the row, and what follows
+    it (padding, or documents without a label) is never seen by an earlier position; its outputs
+    take no loss, so they add nothing to the loss or to any gradient."""
+    positions, labels = np.asarray(positions), np.asarray(labels)
+    seq = positions.shape[1]
+    restart = positions[:, 1:] == 0
+    first_end = np.where(restart.any(axis=1), restart.argmax(axis=1) + 1, seq)
+    labelled = labels != IGNORE_INDEX
+    last_label = np.where(labelled.any(axis=1), seq - 1 - labelled[:, ::-1].argmax(axis=1), -1)
+    return tuple(bool(x) for x in last_label < first_end)
 
 
 def _load(path: str | Path):
     from datasets import load_from_disk
 
-    return load_from_disk(str(path)).with_format("torch")
+    return load_from_disk(str(path)).with_format("numpy")
+
+
+def _targets_per_row(labels: np.ndarray) -> np.ndarray:
+    """Labelled positions of each row of ``labels`` (rows, block_size)."""
+    return np.count_nonzero(np.asarray(labels) != IGNORE_INDEX, axis=1)
 
 
 def _batch(dataset, indices: list[int], pad_to: int = 0) -> Batch:
-    """Rows ``indices`` of ``dataset`` as a :class:`Batch`, followed by empty rows up to
-    ``pad_to`` rows (token 0, no targets, positions ``0..block_size-1``), so that the batch
+    """Rows ``indices`` of ``dataset`` (numpy format) as a :class:`Batch`, followed by empty rows
+    up to ``pad_to`` rows (token 0, no targets, positions ``0..block_size-1``), so that the batch
     shape stays fixed where the data runs out."""
     rows = dataset[indices] if indices else None
     columns = ("input_ids", "labels", "position_ids")
     has_positions = "position_ids" in dataset.column_names
-    out = {c: rows[c].long() if rows is not None else None for c in columns if c != "position_ids" or has_positions}
+    out = {
+        c: np.asarray(rows[c], dtype=np.int64) if rows is not None else None
+        for c in columns
+        if c != "position_ids" or has_positions
+    }
     missing = pad_to - len(indices)
     if missing > 0:
         block = len(dataset[0]["input_ids"])
         empty = {
-            "input_ids": torch.zeros(missing, block, dtype=torch.long),
-            "labels": torch.full((missing, block), IGNORE_INDEX, dtype=torch.long),
-            "position_ids": torch.arange(block).expand(missing, block),
+            "input_ids": np.zeros((missing, block), dtype=np.int64),
+            "labels": np.full((missing, block), IGNORE_INDEX, dtype=np.int64),
+            "position_ids": np.broadcast_to(np.arange(block, dtype=np.int64), (missing, block)),
         }
         for c in out:
-            out[c] = empty[c] if out[c] is None else torch.cat([out[c], empty[c]])
-    return Batch(out["input_ids"].contiguous(), out["labels"].contiguous(), out.get("position_ids"))
+            out[c] = empty[c] if out[c] is None else np.concatenate([out[c], empty[c]])
+    tensors = {c: torch.from_numpy(np.ascontiguousarray(a)) for c, a in out.items()}
+    targets = int(_targets_per_row(out["labels"]).sum())
+    causal = causal_rows(out["position_ids"], out["labels"]) if has_positions else None
+    return Batch(tensors["input_ids"], tensors["labels"], tensors.get("position_ids"), targets, causal)
 
 
 class BlockStream:
@@ -74,12 +129,15 @@ class BlockStream:
         self.dataset = _load(path)
         self.num_blocks = len(self.dataset)
         self.seed = seed
-        self._perm: tuple[int, torch.Tensor] | None = None
+        self._perm: tuple[int, np.ndarray] | None = None
+        self._labels = self.dataset.select_columns(["labels"])
+        self._targets = np.full(self.num_blocks, -1, dtype=np.int64)
+        """Labelled positions of each row, -1 until the row is first counted."""
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.num_blocks, generator=g))
+            rng = np.random.default_rng((self.seed * 1_000_003 + epoch) % 2**64)
+            self._perm = (epoch, rng.permutation(self.num_blocks))
         return self._perm[1]
 
     def indices(self, start: int, count: int) -> list[int]:
@@ -94,6 +152,16 @@ class BlockStream:
         """The rows at global sample positions ``start .. start + count - 1``."""
         return _batch(self.dataset, self.indices(start, count))
 
+    def num_targets(self, start: int, count: int) -> int:
+        """Labelled positions in the rows at global sample positions ``start .. start + count - 1``,
+        whichever rank reads them: counted on the host from the rows' labels (each row read once
+        and remembered), so every rank knows a whole step's count without communicating."""
+        rows = np.asarray(self.indices(start, count), dtype=np.int64)
+        unknown = np.unique(rows[self._targets[rows] < 0])
+        if unknown.size:
+            self._targets[unknown] = _targets_per_row(self._labels[unknown.tolist()]["labels"])
+        return int(self._targets[rows].sum())
+
 
 class EvalRows:
     """An eval dataset read in order, every row once, in fixed-shape batches."""
@@ -101,6 +169,15 @@ class EvalRows:
     def __init__(self, path: str | Path) -> None:
         self.dataset = _load(path)
         self.num_rows = len(self.dataset)
+        self._num_targets: int | None = None
+
+    @property
+    def num_targets(self) -> int:
+        """Labelled positions over every row (counted once, on the host, 1024 rows at a time)."""
+        if self._num_targets is None:
+            chunks = range(0, self.num_rows, 1024)
+            self._num_targets = sum(int(_targets_per_row(self.dataset[i : i + 1024]["labels"]).sum()) for i in chunks)
+        return self._num_targets
 
     def batch(self, start: int, count: int) -> Batch:
         """Rows ``start .. start + count - 1``; past the end, empty rows (no targets)."""

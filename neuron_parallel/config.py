@@ -24,13 +24,16 @@ from typing import Any, Literal, get_args
 from .utils import divisors
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16"]
 Optimizer = Literal["adamw", "sgd"]
 LrSchedule = Literal["cosine", "constant"]
 Device = Literal["cpu", "cuda", "neuron"]
 ReportTo = Literal["tensorboard", "mlflow"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 PRECISIONS = get_args(Precision)
+AUTO_PRECISION = {"cpu": "fp32", "cuda": "bf16", "neuron": "bf16"}
+"""What ``parallel.mixed_precision: auto`` runs, by device: bf16 autocast with fp32 master
+weights on the accelerators, whose matmul units are fastest in bf16; fp32 on CPU."""
 OPTIMIZERS = get_args(Optimizer)
 
 LAYOUT_FIELDS = (
@@ -215,8 +218,9 @@ class ParallelConfig:
     fp32 parameters, also the master weights under bf16, stay whole on every dp rank."""
     activation_checkpointing: int = 0
     """Recompute every k-th decoder layer in backward; 0 disables, 1 recomputes every layer."""
-    mixed_precision: Precision = "fp32"
-    """fp32, or bf16 compute with fp32 master weights."""
+    mixed_precision: Precision = "auto"
+    """auto (bf16 on cuda and neuron, fp32 on cpu, resolved from launch.device when the job is
+    built), fp32, or bf16: bf16 autocast compute with fp32 master weights."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
@@ -358,6 +362,10 @@ class TrainConfig:
     resume_from: str | None = None
     """Another run directory (or one of its checkpoints) to continue from when the run directory
     has no checkpoint of its own."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (backend inductor on cuda and cpu, neuron on
+    neuron), once tensor parallelism and activation checkpointing are in place; the first steps
+    are slower while the graphs compile (on neuron every new input shape compiles a graph)."""
     profile_memory: bool = False
     """Measure every rank's peak tensor memory over the training steps (checkpoint writes
     excluded) and report it next to the planner's prediction (``memory.json``, a ``memory``
@@ -457,6 +465,13 @@ class LaunchConfig:
             )
 
 
+def resolve_precision(precision: str, device: str) -> str:
+    """The precision a job on ``device`` runs for ``parallel.mixed_precision=precision``: ``auto``
+    as :data:`AUTO_PRECISION` says, fp32 and bf16 as given."""
+    _check_choice("parallel", "mixed_precision", precision, Precision)
+    return AUTO_PRECISION[device] if precision == "auto" else precision
+
+
 def check_eval(data: DataConfig, train: TrainConfig) -> None:
     """Refuse evaluation settings of ``train`` that the ``data`` section gives no eval rows for."""
     if train.eval_every and not data.has_eval:
@@ -484,6 +499,9 @@ class JobConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.mixed_precision == "auto":  # the job records what it runs
+            precision = resolve_precision("auto", self.launch.device)
+            self.parallel = dataclasses.replace(self.parallel, mixed_precision=precision)
         per_step = self.train.micro_batch_size * self.parallel.dp
         if self.train.global_batch_size % per_step:
             gbs = self.train.global_batch_size

@@ -3,8 +3,11 @@ forward, backward, gradient reduction and update.
 
 ``build_engine`` applies, in order: pipeline split (activation checkpointing inside the stage
 forward) → LoRA adapters, when asked → tensor + sequence parallelism → materialisation and weight
-loading (then the adapters' initialisation and the frozen base) → pipeline schedule; the
-``Engine`` then builds the optimizer (ZeRO-1 over dp when asked) and the dp gradient reducer.
+loading (then the adapters' initialisation and the frozen base) → with ``train.compile``, each
+decoder layer compiled in place (:func:`compile_layers`; a checkpointed layer recomputes its
+compiled forward) → pipeline schedule; the ``Engine`` then builds the optimizer (torch's fused
+AdamW wherever the device has it, under every layout; ZeRO-1 over dp when asked) and the dp
+gradient reducer. On CUDA fp32 matmuls run on TF32 tensor cores (:func:`use_tf32_on_cuda`).
 Everything degenerates cleanly to one rank. Reading and writing checkpoints is
 :mod:`neuron_parallel.checkpoint.engine_state`'s business.
 """
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -23,8 +27,8 @@ from .batches import Batch
 from .checkpoint.tensors import HFWeights
 from .config import JobConfig
 from .mesh import ParallelDims
-from .models.causal_lm import build_meta_model, causal_lm_loss, load_config, load_weights, materialize
-from .optim import build_optimizer, clip_grad_norm
+from .models.causal_lm import build_meta_model, load_config, load_weights, materialize
+from .optim import FUSED_ADAMW_DEVICES, build_optimizer, clip_grad_norm
 from .parallel.data_parallel import GradReducer
 from .parallel.dtensor import full
 from .parallel.lora import add_lora, freeze_base, init_adapters, is_adapter
@@ -53,9 +57,9 @@ class Engine:
             self.named_parameters(),
             self.job.train,
             # One fused kernel for all parameters: about 3x faster than the per-tensor loop on
-            # CPU. Kept to plain tensors on devices with a fused AdamW kernel: no TP, or ZeRO-1,
-            # whose optimizer steps plain aliases of the local shards.
-            fused=(self.dims.tp == 1 or zero_1) and self.device.type in ("cpu", "cuda"),
+            # CPU. DTensor parameters (TP) run it on their local shards, as ZeRO-1's plain aliases
+            # and LoRA's adapters do.
+            fused=self.device.type in FUSED_ADAMW_DEVICES,
             dp_group=self.dims.mesh["dp"].get_group() if zero_1 else None,
         )
         self.grad_reducer = None
@@ -117,11 +121,12 @@ class Engine:
         pipeline parallelism, at each stage's last microbatch)."""
         if last and self.grad_reducer is not None:
             self.grad_reducer.arm(self.runner.num_microbatches if self.runner is not None else 1)
+        self._attend(batch)
         with self._compute():
             if self.runner is not None:
                 self.runner.loss_scale = scale
                 return self.runner.step(*self._pipeline_args(batch))
-            loss = causal_lm_loss(self._forward(batch), batch.labels.to(self.device))
+            loss = self.parts[0].loss(self._forward(batch), batch.labels.to(self.device))
             (loss * scale).backward()
         return full(loss.detach())
 
@@ -130,16 +135,24 @@ class Engine:
         """The summed loss of ``batch`` over its labelled tokens, forward only, in eval mode."""
         for part in self.parts:
             part.eval()
+        self._attend(batch)
         try:
             with self._compute():
                 if self.runner is not None:
                     return self.runner.step(*self._pipeline_args(batch))
-                return full(causal_lm_loss(self._forward(batch), batch.labels.to(self.device)))
+                return full(self.parts[0].loss(self._forward(batch), batch.labels.to(self.device)))
         finally:
             for part in self.parts:
                 part.train()
 
+    def _attend(self, batch: Batch) -> None:
+        """Rows that plain causal attention trains exactly (``batch.causal``, known on the host
+        when the rows were read) take the mask-free causal path on every stage."""
+        for part in self.parts:
+            part.mask_documents = not batch.causal
+
     def _forward(self, batch: Batch) -> torch.Tensor:
+        """The final norm's output of the one stage."""
         inputs = batch.inputs.to(self.device)
         if batch.positions is None:
             return self.parts[0](inputs, seq_len=inputs.shape[1])
@@ -159,14 +172,13 @@ class Engine:
         already done), one all-reduce per mesh dim of ``Partial`` grads (tp), the tied pair's
         send/recv (pp), and the norm's scalar all-reduce over tp and over pp."""
         params = self.parameters()
-        mesh = self.dims.mesh
         if self.grad_reducer is not None:
             self.grad_reducer.finish()
         if self.dims.tp > 1:
             align_grad_placements(params)
         if self.tied and self.dims.pp > 1 and self.tied_trainable:
-            sum_tied_embedding_grads(self.parts, mesh["pp"].get_group())
-        groups = [mesh[axis].get_group() for axis in ("tp", "pp") if getattr(self.dims, axis) > 1]
+            sum_tied_embedding_grads(self.parts, self.dims.group("pp"))
+        groups = [self.dims.group(axis) for axis in ("tp", "pp") if getattr(self.dims, axis) > 1]
         return clip_grad_norm(params, self.job.train.max_grad_norm, groups=groups, norm_params=self._norm_params())
 
     def _norm_params(self) -> list[nn.Parameter]:
@@ -174,7 +186,7 @@ class Engine:
         two stages holds one gradient twice and is counted once; a plain (replicated) tensor
         under TP is counted on tp rank 0."""
         twice = self.tied and self.dims.pp > 1
-        tp_rank = self.dims.mesh["tp"].get_local_rank()
+        tp_rank = self.dims.coordinates()["tp_rank"]
         return [
             p
             for n, p in self.named_parameters()
@@ -188,8 +200,48 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+COMPILE_BACKENDS = {"cpu": "inductor", "cuda": "inductor", "neuron": "neuron"}
+"""The ``torch.compile`` backend of ``train.compile`` by device (``neuron``: torch-neuronx's)."""
+
+
+def compile_layers(parts: list[nn.Module], device: torch.device) -> None:
+    """Compile every decoder layer of ``parts`` in place with ``nn.Module.compile`` (the layer's
+    calls run the compiled forward; its parameter names, and so checkpoints, are unchanged).
+    On neuron ``dynamic=False``: torch-neuronx refuses dynamic shapes and compiles a graph per
+    input shape.
+
+    Under TP the embedding's output is the result of a functional collective, an
+    ``AsyncCollectiveTensor``; the first layer gets it as a plain tensor (:func:`_waited`): with
+    that subclass as a compiled layer's input, torch 2.13 hands the eager redistribution behind
+    it a plain tensor gradient where it expects a DTensor, and backward fails."""
+    options = {"backend": COMPILE_BACKENDS[device.type]}
+    if device.type == "neuron":
+        options["dynamic"] = False
+    for part in parts:
+        if part.model.embed_tokens is not None:
+            part.model.embed_tokens.register_forward_hook(_waited)
+        for layer in part.model.layers.values():
+            layer.compile(**options)
+
+
+def _waited(module: nn.Module, inputs, output):
+    """``output`` as a plain tensor once its collective is done (a forward hook). A copy, which
+    autograd records: ``AsyncCollectiveTensor.wait()`` would return the inner tensor, cut off
+    from the graph, and the embedding would get no gradient."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
+def use_tf32_on_cuda() -> None:
+    """fp32 matmuls on CUDA's TF32 tensor cores (what the planner's fp32 peak assumes). Set with
+    ``torch.backends.cuda.matmul.allow_tf32``, which leaves CPU matmuls alone, unlike
+    ``torch.set_float32_matmul_precision("high")``, which in torch 2.13 also switches oneDNN's."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
 def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> Engine:
     """Build this rank's part of the model from ``job.model_path`` and its optimizer."""
+    if device.type == "cuda":
+        use_tf32_on_cuda()
     pc, mesh = job.parallel, dims.mesh
     config = load_config(job.model_path)
     pp_rank = mesh["pp"].get_local_rank()
@@ -211,12 +263,15 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
         if lora is not None:
             init_adapters(part, job.train.seed)
             freeze_base(part, lora, tied=bool(config.tie_word_embeddings))
+        part.return_logits = False  # the last stage's loss takes the lm_head a chunk at a time
         part.train()
+    if job.train.compile:
+        compile_layers(parts, device)
     runner = None
     if dims.pp > 1:
         schedule = {"schedule": pc.pipeline_schedule, "num_microbatches": pc.num_microbatches}
         pp_group = mesh["pp"].get_group()
         runner = PipelineRunner(
-            parts, stage_ids, pc.num_stages, pp_group=pp_group, device=device, loss_fn=causal_lm_loss, **schedule
+            parts, stage_ids, pc.num_stages, pp_group=pp_group, device=device, loss_fn=parts[-1].loss, **schedule
         )
     return Engine(job=job, dims=dims, device=device, config=config, parts=parts, stage_ids=stage_ids, runner=runner)

@@ -94,6 +94,8 @@ class ParallelDims:
     torch's default when None. DeviceMesh creates those groups itself, and they do not inherit
     the world group's timeout."""
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _axes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _coordinates: dict[str, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp"):
@@ -134,7 +136,20 @@ class ParallelDims:
             options[axis] = opts
         return options
 
+    def axis(self, name: str) -> DeviceMesh:
+        """The one-dimensional mesh of axis ``name`` (``"dp"``, ``"pp"`` or ``"tp"``), built once:
+        ``mesh[name]`` builds a new ``DeviceMesh`` at every call."""
+        sub = self._axes.get(name)
+        if sub is None:
+            sub = self._axes[name] = self.mesh[name]
+        return sub
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of axis ``name``."""
+        return self.axis(name).get_group()
+
     def coordinates(self) -> dict[str, int]:
         """This rank's (dp_rank, pp_rank, tp_rank)."""
-        mesh = self.mesh
-        return {f"{axis}_rank": mesh[axis].get_local_rank() for axis in ("dp", "pp", "tp")}
+        if self._coordinates is None:
+            self._coordinates = {f"{axis}_rank": self.axis(axis).get_local_rank() for axis in ("dp", "pp", "tp")}
+        return dict(self._coordinates)

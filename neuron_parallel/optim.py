@@ -13,6 +13,9 @@ from .config import TrainConfig
 from .parallel.dtensor import local
 from .parallel.zero import Zero1Optimizer
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda", "neuron")
+"""Devices with torch's one-kernel AdamW (``torch._fused_adamw_``): CPU and CUDA in torch itself,
+neuron through torch-neuronx. It takes DTensor parameters too (each rank updates its shards)."""
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """The per-parameter optimizer state tensors a checkpoint stores (AdamW moments, SGD momentum)."""
 
@@ -43,8 +46,8 @@ def param_groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_deca
 
 def build_optimizer(named_params: list, cfg: TrainConfig, *, fused: bool, dp_group=None):
     """AdamW (or SGD) over ``named_params`` with decay on matrices only. ``fused`` picks torch's
-    one-kernel AdamW (plain tensors on CPU/CUDA). With ``dp_group`` the state is sharded over the
-    data-parallel ranks (ZeRO-1)."""
+    one-kernel AdamW (on a device of ``FUSED_ADAMW_DEVICES``). With ``dp_group`` the state is
+    sharded over the data-parallel ranks (ZeRO-1)."""
     groups = param_groups(named_params, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         cls, defaults = torch.optim.SGD, dict(lr=cfg.lr)

@@ -47,15 +47,36 @@ MLFLOW_EXPERIMENT = "neuron-flows"
 _MAX_PARAM_CHARS = 6000  # MLflow refuses longer param values (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH)
 
 
-def peak_memory_bytes(device: str) -> int:
-    """This process's peak memory: the device allocator's peak on an accelerator, the peak resident
-    set size on CPU (which has no allocator statistics; ``memprof`` measures tensors alone, slowly)."""
-    if device != "cpu":
-        import torch
+def peak_memory_bytes(device) -> int | None:
+    """This process's peak memory in bytes on ``device`` (a device type such as ``"cuda"``, or a
+    ``torch.device``, whose index is read; the current device otherwise).
 
-        return int(torch.accelerator.max_memory_allocated())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    * cpu: the peak resident set size (CPU tensors have no allocator statistics; ``memprof``
+      measures tensors alone, slowly);
+    * an accelerator: its allocator's peak from the device's own module (``torch.cuda``;
+      ``torch.neuron`` where torch-neuronx provides ``max_memory_allocated``), read after
+      synchronizing the device so that queued work is counted (AWS's advice for neuron); failing
+      that from ``torch.accelerator``, whose memory API needs a registered device allocator;
+      None where neither has the statistics: no figure rather than a wrong one.
+
+    The synchronize waits for the device's queue to drain: read it at log steps, not every step."""
+    kind = device if isinstance(device, str) else device.type
+    if kind == "cpu":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    import torch
+
+    index = () if isinstance(device, str) or device.index is None else (device.index,)
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "max_memory_allocated"):
+        if hasattr(module, "synchronize"):
+            module.synchronize(*index)
+        return int(module.max_memory_allocated(*index))
+    try:
+        torch.accelerator.synchronize(*index)
+        return int(torch.accelerator.max_memory_allocated(*index))
+    except (AttributeError, RuntimeError):  # no accelerator API, no such device, or no allocator registered
+        return None
 
 
 def flat_params(config: Any, prefix: str = "") -> dict[str, str]:

@@ -4,7 +4,9 @@
 
 Resumes from the newest complete checkpoint in the run directory (or ``train.resume_from``),
 trains to ``train.max_steps``, writes ``metrics.jsonl`` (rank 0, one object per optimizer step)
-and checkpoints every ``train.save_every`` steps. Progress goes to stdout as one JSON object per
+and checkpoints every ``train.save_every`` steps. A plain step (one that does not log, evaluate
+or checkpoint) reads nothing back from the device: its row is finished and written at the next
+step that does (``neuron_parallel.step_log``). Progress goes to stdout as one JSON object per
 line prefixed with ``EVENT_PREFIX``, which the launcher turns into progress events.
 
 One optimizer step always consumes ``train.global_batch_size`` sequences (:data:`BATCH_RULE`);
@@ -47,6 +49,7 @@ from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
 from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes, read_metrics
 from .run_files import JOB_FILE, MEMORY_FILE, METRICS_FILE
+from .step_log import PendingStep, StepRows
 from .utils import write_line
 
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
@@ -60,10 +63,11 @@ LOSS_RULE = (
     "whatever the layout, accumulation or pipeline microbatching"
 )
 """How a step's loss is normalised. Every micro-batch's backward sees its summed token loss ×
-dp / N, where N counts the labelled tokens of the global batch (an all-reduce over dp of each
-rank's count, made before the first forward); the dp all-reduce of gradients averages (÷ dp),
-so the update is the gradient of the global mean, exactly as one process computes it. A mean
-per micro-batch would not be: SFT rows hold different numbers of trained tokens."""
+dp / N, where N counts the labelled tokens of the global batch (every rank counts them on the
+host from the rows' labels, ``BlockStream.num_targets``); the dp all-reduce of gradients
+averages (÷ dp), so the update is the gradient of the global mean, exactly as one process
+computes it. A mean per micro-batch would not be: SFT rows hold different numbers of trained
+tokens."""
 _LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
 
 CheckpointHook = Callable[["Trainer", int], None]
@@ -106,6 +110,11 @@ def fail_after_checkpoint(fail_step: int) -> CheckpointHook:
 def _hooks_from_env() -> list[CheckpointHook]:
     fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
     return [fail_after_checkpoint(fail_after)] if fail_after else []
+
+
+def _every(step: int, interval: int) -> bool:
+    """Whether ``step`` is a multiple of ``interval`` (never, for 0)."""
+    return bool(interval) and step % interval == 0
 
 
 def _phase(probe: RankMemoryProbe | None, name: str):
@@ -156,43 +165,63 @@ class Trainer:
 
     def run(self, start_step: int) -> int:
         """Optimizer steps ``start_step + 1 .. train.max_steps`` (fewer if early stopping ends
-        them), then wait for the last save. Returns the last step trained."""
+        them), then wait for the last save. Returns the last step trained.
+
+        A step that logs (every ``train.log_every``), evaluates or checkpoints closes the window
+        of steps since the last one (:class:`~neuron_parallel.step_log.StepRows`): one device
+        synchronize and one read give their rows, which rank 0 writes to ``metrics.jsonl`` and
+        the reporters before any evaluation result is announced or checkpoint saved (so every
+        row up to a checkpoint's step is on disk when it completes); then a failed background
+        save stops every rank (``writer.check``). The other steps read nothing back from the
+        device."""
         tc = self.job.train
-        t_start = time.perf_counter()
         eta = EtaClock(start_step, tc.max_steps)
+        rows = StepRows(self.engine.device, self.tokens_per_step)
         step = start_step
         while step < tc.max_steps and not self.eval_state.stopped_early:
-            self.writer.check()  # a failed background save stops every rank here, within a step
             step += 1
-            record = self.train_step(step)
-            record["elapsed_s"] = time.perf_counter() - t_start
-            if self.eval_rows is not None and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
+            rows.add(self.train_step(step))
+            evaluates = self.eval_rows is not None and (step == tc.max_steps or _every(step, tc.eval_every))
+            saves = step == tc.max_steps or _every(step, tc.save_every)
+            if not (evaluates or saves or _every(step, tc.log_every)):
+                continue
+            finished = rows.close()
+            record = finished[-1]
+            if dist.get_rank() == 0 and (peak := peak_memory_bytes(self.engine.device)) is not None:
+                record["peak_memory_bytes"] = peak  # the device's peak so far, read at this step only
+            if evaluates:
                 record.update(self.evaluate(step))
-            if dist.get_rank() == 0:
-                record["peak_memory_bytes"] = peak_memory_bytes(self.job.device)
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                self.reporter.log(record)
+            self._write_rows(finished)
+            self.writer.check()  # a failed background save stops every rank here
             last = step == tc.max_steps or self.eval_state.stopped_early
-            if step % tc.log_every == 0 or last:
+            if _every(step, tc.log_every) or last:
                 emit("step", max_steps=tc.max_steps, eta_s=round(0.0 if last else eta.eta_s(step), 1), **record)
-            if (tc.save_every and step % tc.save_every == 0) or last:
+            if saves or last:
                 self.checkpoint(step, record)
+            rows.restart()
         with _phase(self.probe, "save"):
             self.writer.wait()
         return step
 
-    def train_step(self, step: int) -> dict:
+    def _write_rows(self, rows: list[dict]) -> None:
+        """Rank 0: append ``rows`` to metrics.jsonl and send them to the reporters."""
+        if dist.get_rank() != 0:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        for row in rows:
+            self.reporter.log(row)
+
+    def train_step(self, step: int) -> PendingStep:
         """One optimizer step over ``global_batch_size`` sequences: this dp rank's share, in
-        ``grad_accum`` micro-batches, normalised by :data:`LOSS_RULE`. Returns the step's
-        metrics record."""
+        ``grad_accum`` micro-batches, normalised by :data:`LOSS_RULE`. Reads nothing back from
+        the device: returns the step with its loss and gradient norm still there."""
         job, tc, dp = self.job, self.job.train, self.dims.dp
-        t0 = time.perf_counter()
         torch.manual_seed(tc.seed * 100_003 + step)
         mbs, base = tc.micro_batch_size, (step - 1) * job.global_batch_size
         batches = [self.stream.batch(base + a * mbs * dp + self.dp_rank * mbs, mbs) for a in range(job.grad_accum)]
-        num_targets = self._dp_sum(float(sum(b.num_targets for b in batches)))
-        scale = dp / max(num_targets, 1.0)
+        num_targets = self.stream.num_targets(base, job.global_batch_size)
+        scale = dp / max(num_targets, 1)
         loss_sum = torch.zeros((), device=self.engine.device)
         for a, batch in enumerate(batches):
             # The last micro-batch's backward starts the dp reduction, bucket by bucket.
@@ -200,52 +229,42 @@ class Trainer:
         grad_norm = self.engine.reduce_and_clip()
         # The loss total travels during the optimizer step. Started only now, after every gradient
         # bucket, so that each dp rank issues its collectives in the same order.
-        loss_total = dist.all_reduce(loss_sum, group=self.dims.mesh["dp"].get_group(), async_op=True)
+        loss_total = dist.all_reduce(loss_sum, group=self.dims.group("dp"), async_op=True)
         lr = lr_at(step, tc)
         self.engine.optimizer_step(lr)
         loss_total.wait()
-        dt = time.perf_counter() - t0
-        return {
-            "step": step,
-            "loss": loss_sum.item() / max(num_targets, 1.0),
-            "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": self.tokens_per_step / dt,
-            "tokens_seen": step * self.tokens_per_step,
-            "trained_tokens": int(num_targets),
-            "step_time_s": dt,
-        }
+        return PendingStep(step, lr, step * self.tokens_per_step, num_targets, loss_sum, grad_norm)
 
     def evaluate(self, step: int) -> dict:
         """The eval loss after ``step``: the summed token loss over every labelled token of the
         eval rows / their number, whatever the layout. Each round reads ``micro_batch_size`` rows
         per dp rank (the training shape, which pipeline buffers are sized for); the last round
-        is filled up with empty rows. Updates early stopping and emits an ``eval`` event."""
+        is filled up with empty rows. Updates early stopping and emits an ``eval`` event.
+
+        Each round's summed loss stays on the device in fp32; the rounds of every dp rank are
+        gathered once and added up on the host in double precision (no float64 on the device);
+        the labelled tokens are counted on the host from the rows."""
         t0 = time.perf_counter()
-        mbs, dp = self.job.train.micro_batch_size, self.dims.dp
-        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
-        count = 0
-        for start in range(0, self.eval_rows.num_rows, mbs * dp):
-            batch = self.eval_rows.batch(start + self.dp_rank * mbs, mbs)
-            total += self.engine.eval_loss(batch).double()
-            count += batch.num_targets
-        totals = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(totals, group=self.dims.mesh["dp"].get_group())
-        eval_loss = totals[0].item() / max(totals[1].item(), 1.0)
+        mbs, dp, device = self.job.train.micro_batch_size, self.dims.dp, self.engine.device
+        rounds = [
+            self.engine.eval_loss(self.eval_rows.batch(start + self.dp_rank * mbs, mbs)).float()
+            for start in range(0, self.eval_rows.num_rows, mbs * dp)
+        ]
+        mine = torch.stack(rounds) if rounds else torch.zeros(0, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(dp)]
+        dist.all_gather(everyone, mine, group=self.dims.group("dp"))
+        total = sum(sum(sums) for sums in torch.stack(everyone).tolist())
+        count = self.eval_rows.num_targets
+        eval_loss = total / max(count, 1)
         patience = self.job.train.early_stopping_patience
         self.eval_state.update(eval_loss)
-        fields = {"eval_loss": eval_loss, "eval_tokens": int(totals[1].item())}
+        fields = {"eval_loss": eval_loss, "eval_tokens": count}
         emit("eval", step=step, eval_time_s=time.perf_counter() - t0, **fields)
         if patience and self.eval_state.evals_without_improvement >= patience:
             self.eval_state.stopped_early = True
             reason = f"{patience} evals without a lower eval loss than {self.eval_state.best_loss:.6g}"
             emit("early_stop", step=step, reason=reason)
         return fields
-
-    def _dp_sum(self, value: float) -> float:
-        t = torch.tensor(value, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(t, group=self.dims.mesh["dp"].get_group())
-        return t.item()
 
     def checkpoint(self, step: int, record: dict) -> None:
         """Save the checkpoint of ``step``, emit a ``checkpoint`` event, run the hooks."""
@@ -272,6 +291,7 @@ class Trainer:
             "tokens_seen": step * self.tokens_per_step,
             "samples_seen": step * G,
             **batch_layout(self.job),
+            "mixed_precision": self.job.parallel.mixed_precision,  # what ran: auto resolved for the device
             "lr": record["lr"],
             "lr_schedule": {k: getattr(tc, k) for k in _LR_FIELDS},
             "seed": tc.seed,

@@ -4,7 +4,7 @@ planner's choices filled in, and the card written beside the weights with the lo
 import json
 from pathlib import Path
 
-from neuron_parallel.config import PLANNED_FIELDS, JobConfig
+from neuron_parallel.config import PLANNED_FIELDS, JobConfig, resolve_precision
 from neuron_parallel.data import AUDIT_FILE
 from neuron_parallel.hub import base_model_license, card_data_table, write_model_card
 from neuron_parallel.launch import TrainResult
@@ -26,7 +26,7 @@ def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLay
         "batch": f"{layout.global_batch_size} sequences of {config.data.block_size} tokens per step "
         f"(micro batch {layout.micro_batch_size} × accumulation {layout.grad_accum} × dp {pc.dp})",
         "hardware": f"{config.hardware}: {config.launch.nnodes} node(s) × {config.launch.nproc_per_node} "
-        f"{config.launch.device} rank(s), {pc.mixed_precision}",
+        f"{config.launch.device} rank(s), {resolve_precision(pc.mixed_precision, config.launch.device)}",
         "tokens seen": metrics.get("tokens_seen"),
     }
     lora = config.train.lora
@@ -37,13 +37,15 @@ def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLay
 
 def card_config(config: FinetuneConfig, layout: CheckedLayout) -> dict:
     """The run's configuration as the card shows it: the fields left ``auto`` hold what the
-    planner chose, so that the block runs the same layout anywhere."""
+    planner chose, and ``parallel.mixed_precision`` the precision the run had, so that the block
+    runs the same layout and precision anywhere."""
     dumped = config.model_dump(mode="json")
     chosen = {"parallel": layout.parallel, "train": layout}
     for section, names in PLANNED_FIELDS.items():
         for name in names:
             if dumped[section][name] == "auto":
                 dumped[section][name] = getattr(chosen[section], name)
+    dumped["parallel"]["mixed_precision"] = resolve_precision(layout.parallel.mixed_precision, config.launch.device)
     return dumped
 
 

@@ -1,7 +1,7 @@
 """The preflight step as a Prefect task (``tasks.steps.preflight``): never retried, since what it
 refuses fails the same way every time."""
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from . import steps
 from .common import hub_token, remember_failed_step
@@ -10,4 +10,4 @@ from .config import FinetuneConfig
 
 @task(name="preflight", retries=0, on_failure=[remember_failed_step])
 def preflight(config: FinetuneConfig) -> None:
-    steps.preflight(config, hub_token=hub_token(config), check_upload=True)
+    steps.preflight(config, hub_token=hub_token(config), check_upload=True, warn=get_run_logger().warning)

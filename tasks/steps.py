@@ -39,14 +39,20 @@ def model_dir(config: FinetuneConfig) -> str:
     return resolve_model_dir(config.model.name_or_path, config.model.revision)
 
 
-def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upload: bool = False) -> None:
+def preflight(
+    config: FinetuneConfig, *, hub_token: str | None = None, check_upload: bool = False, warn: Log = _quiet
+) -> None:
     """Refuse, before any data is read or any rank starts, what the machine, the model's or the
     data's files or the Hub already show cannot work: the device, the data files, a local model
     directory and the layout on it, and (``check_upload``) the Hub endpoint with ``hub_token``. A
-    Hub model is checked by the plan step once fetched."""
+    Hub model is checked by the plan step once fetched. What runs but slower or with more memory
+    than it could (a ``data.block_size`` that keeps neuron off its flash attention kernel) goes to
+    ``warn``, a line, never a refusal."""
     from neuron_parallel.checks import check_device, check_hub, check_model_dir
     from neuron_parallel.data import local_data_files
     from neuron_parallel.models import resolve_model_dir
+    from neuron_parallel.planning.attention import block_size_advice
+    from neuron_parallel.planning.model import ModelShape
     from neuron_parallel.utils import names_local_path
 
     check_device(config.to_launch())
@@ -58,8 +64,14 @@ def preflight(config: FinetuneConfig, *, hub_token: str | None = None, check_upl
         local = resolve_model_dir(name)  # a local path: refused here if it is not a model directory
         check_model_dir(local)
         plan(config, local)
+        head_dim = ModelShape.from_config(local).head_dim
+    else:
+        head_dim = None
     if check_upload and config.hub.repo_id:
         check_hub(config.hub.endpoint, config.hub.repo_id, hub_token)
+    advice = block_size_advice(config.launch.device, config.library("data").documents, config.data.block_size, head_dim)
+    if advice:
+        warn(f"preflight: warning: {advice}")
 
 
 def tokenize(config: FinetuneConfig, log: Log = _quiet) -> TokenizedDataset:
@@ -94,6 +106,7 @@ def plan(
         layer_split=config.parallel.layer_split,
         lora=config.library("train", micro_batch_size=1).lora,
         memory_fraction=config.launch.memory_fraction,
+        documents=config.library("data").documents,
     )
     checked = check_layout(config.to_job(model_path=model, dataset_path=dataset_path, layout=resolved))
     best = resolved.chosen

@@ -101,9 +101,15 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     return pool.run(job_path, hooks=hooks, timeout=timeout)
 
 
+_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+"""Variables that do not make an environment another: pytest's own, and the one torch sets itself,
+to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
+cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too."""
+
+
 def _environ(environ) -> dict:
-    """An environment as a training job sees it (pytest's own variable apart)."""
-    return {k: v for k, v in environ.items() if k != "PYTEST_CURRENT_TEST"}
+    """An environment as a training job sees it (:data:`_NOT_THE_JOBS` apart)."""
+    return {k: v for k, v in environ.items() if k not in _NOT_THE_JOBS}
 
 
 _SESSION_ENVIRON = _environ(os.environ)

@@ -85,6 +85,10 @@ def load_engine_state(engine, tensors, step: int) -> None:
         local, _, offsets = local_view(torch.zeros_like(like))
         return tensors.read(key, offsets, list(local.shape)).to(local.device)
 
+    optimizer = engine.optimizer
+    inner = optimizer.inner.optim if isinstance(optimizer, Zero1Optimizer) else optimizer
+    fused = bool(inner.defaults.get("fused"))
+
     def state_of(name: str, p: torch.Tensor, *, local_shards: bool) -> dict:
         state = {}
         for key in STATE_KEYS:
@@ -96,11 +100,10 @@ def load_engine_state(engine, tensors, step: int) -> None:
                 local_view(holder)[0].copy_(value)
                 value = holder
             state[key] = value
-        if "exp_avg" in state:
-            state["step"] = torch.tensor(float(step))
+        if "exp_avg" in state:  # where torch's load_state_dict puts it: the fused kernel reads it on the device
+            state["step"] = torch.tensor(float(step), device=p.device if fused else "cpu")
         return state
 
-    optimizer = engine.optimizer
     if isinstance(optimizer, Zero1Optimizer):
         optimizer.load_state(lambda name, p: state_of(name, p, local_shards=True))
         return

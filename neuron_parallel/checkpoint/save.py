@@ -10,10 +10,11 @@ on. A crash at any point leaves the previous checkpoints untouched and at most a
 ``COMPLETE``, which does not count.
 
 A write that fails (a full disk, a file over the size limit) must stop every rank, not only the
-one that saw it: while a save is in flight the training thread calls ``check`` every step, the
-ranks agree through one small all-reduce whether any rank failed, and all raise
-``CheckpointSaveFailed`` together. Every file and folder is fsynced before the name that makes
-it count (the rename into place, then ``COMPLETE``) is written.
+one that saw it: while a save is in flight the training thread calls ``check`` at every step that
+logs, and ``wait`` before the next save begins; there the ranks agree through one small all-reduce
+whether any rank failed, and all raise ``CheckpointSaveFailed`` together. Between those points
+nothing here reads a value back from the device. Every file and folder is fsynced before the
+name that makes it count (the rename into place, then ``COMPLETE``) is written.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class _Cancelled(Exception):
 
 class CheckpointWriter:
     """Writes checkpoints of one run; ``save`` returns once tensors are on the host when
-    ``async_save`` is set, ``check`` (every step) stops every rank as soon as any rank's write
-    failed, and ``wait`` blocks until the last save is complete on every rank. ``timeout_s``
+    ``async_save`` is set, ``check`` (at the steps that log) stops every rank once any rank's
+    write failed, and ``wait`` blocks until the last save is complete on every rank. ``timeout_s``
     bounds rank 0's wait for the other ranks' parts (``launch.timeout_s``); ``device`` is where
     the small tensors of the ranks' agreement live (the backend's device)."""
 
@@ -119,6 +120,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._step: int | None = None  # the save not yet known complete on every rank
         self._cancel = threading.Event()
+        self._written = threading.Event()  # this rank's part of the save in flight is written (or failed)
 
     def remove_partial(self) -> list[str]:
         """On rank 0, delete the ``checkpoint-<step>.tmp`` folders of saves cut short (they never
@@ -174,6 +176,7 @@ class CheckpointWriter:
         }
         self._error = None
         self._cancel.clear()
+        self._written.clear()
         self._thread = threading.Thread(
             target=self._run, args=(step, tmp, final, staged, meta), name=f"checkpoint-{step}", daemon=True
         )
@@ -183,19 +186,32 @@ class CheckpointWriter:
         return final
 
     def check(self) -> None:
-        """Call on every rank once per step: while a save is in flight, the ranks agree (a small
-        all-reduce) whether any rank's write failed, and all raise ``CheckpointSaveFailed`` if
-        so, within a step of the failure. Free when no save is in flight."""
+        """Call on every rank at the same steps (the trainer's log steps): while a save is in
+        flight, the ranks agree (a small all-reduce, read back) whether any rank's write failed,
+        and all raise ``CheckpointSaveFailed`` if so. Free when no save is in flight."""
         if self._step is not None:
             self._poll()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on every rank (a collective);
-        raise ``CheckpointSaveFailed`` on every rank if it failed on any."""
-        while self._step is not None:
-            if self._thread is not None:
-                self._thread.join(timeout=0.05)
-            self._poll()
+        raise ``CheckpointSaveFailed`` on every rank if it failed on any. The ranks agree twice,
+        however long the write takes: once every rank has written its part (or given up after
+        ``timeout_s``), so that rank 0 stops waiting for a part that failed, and once rank 0 has
+        finished the checkpoint."""
+        if self._step is None:
+            return
+        if self._written.wait(timeout=self.timeout_s):
+            error = self._error
+        else:
+            error = TimeoutError(
+                f"this rank's part of checkpoint-{self._step} was not written within "
+                f"launch.timeout_s={self.timeout_s:g} s"
+            )
+        self._agree(error, pending=False)
+        if self._thread is not None:
+            self._thread.join()
+        self._agree(self._error, pending=False)
+        self._thread, self._step = None, None
 
     def _poll(self) -> None:
         # Whether the thread is alive is read before its error: a thread seen finished has set
@@ -243,13 +259,22 @@ class CheckpointWriter:
             f"again: {resume}."
         )
 
-    def _run(self, *args) -> None:
+    def _run(self, step, tmp: Path, final: Path, staged, meta) -> None:
+        # What fails here is agreed on by the ranks in check() / wait(), in the training thread.
         try:
-            self._write(*args)
-        except BaseException as e:  # the ranks agree on it in check() / wait(), in the training thread
+            self._write(tmp, staged)
+        except BaseException as e:
             self._error = e
+        finally:
+            self._written.set()
+        if self.rank == 0 and self._error is None:
+            try:
+                self._finish(step, tmp, final, meta)
+            except BaseException as e:
+                self._error = e
 
-    def _write(self, step, tmp: Path, final: Path, staged, meta) -> None:
+    def _write(self, tmp: Path, staged) -> None:
+        """This rank's part: its tensor files, then its listing of them."""
         files, pieces = {}, []
         for rel, tensors, rank_pieces in staged:
             if not tensors:
@@ -266,8 +291,6 @@ class CheckpointWriter:
         part = listing.with_suffix(".part")
         part.write_text(json.dumps({"files": files, "pieces": pieces}))
         part.rename(listing)
-        if self.rank == 0:
-            self._finish(step, tmp, final, meta)
 
     def _await_listings(self, step: int, tmp: Path) -> list[Path]:
         """Every rank's listing of its part, waiting at most ``timeout_s`` for them."""

@@ -9,14 +9,18 @@ materialised only after they have been split and sharded.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.dtensor import local, local_view
+from ..planning.attention import LOSS_CHUNK_BYTES, loss_chunk_tokens
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -40,13 +44,53 @@ def load_config(model_dir: str | Path):
     return config
 
 
-def build_meta_model(config) -> nn.Module:
-    """The full Hugging Face causal LM on the meta device: shapes only, no memory."""
-    from transformers import AutoModelForCausalLM
+ATTENTION = "neuron_parallel"
+"""The name under which :func:`attention` is registered with Hugging Face's ``AttentionInterface``
+and set as the model config's ``_attn_implementation``."""
 
+
+def build_meta_model(config) -> nn.Module:
+    """The full Hugging Face causal LM on the meta device: shapes only, no memory. Its attention
+    layers call :func:`attention`."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(ATTENTION, attention)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config._attn_implementation = ATTENTION  # the config object every layer reads at forward
+    return model
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention of one layer, as Hugging Face's attention interface calls it (query, key and
+    value ``(batch, heads, seq, head_dim)``; returns ``(batch, seq, heads, head_dim)`` and no
+    weights). A FlexAttention ``BlockMask`` (:func:`document_block_mask`) runs FlexAttention,
+    with grouped K/V heads as they are (``enable_gqa``); anything else (no mask: the causal path;
+    an explicit mask) runs Hugging Face's scaled-dot-product attention unchanged."""
+    if isinstance(attention_mask, BlockMask):
+        gqa = query.shape[1] != key.shape[1]
+        out = _flex(query.device.type)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _flex(device_type: str):
+    """``flex_attention``, compiled on CUDA: compiling generates the fused kernel that skips the
+    masked blocks and never builds the scores (inside a layer compiled by ``train.compile`` the
+    layer's compilation does it); eager ``flex_attention`` computes the same values through the
+    full score matrix (used on CPU only to check the block mask, forward only: torch has no
+    FlexAttention backward on CPU)."""
+    if device_type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    return _compiled_flex()
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class CausalLMStage(nn.Module):
@@ -65,9 +109,17 @@ class CausalLMStage(nn.Module):
 
     Rows packed from several documents come with ``positions`` (batch, seq_len): position ids
     that restart at 0 where each document begins. Rotary positions follow them, and attention
-    is causal within a document and never crosses into another (:func:`document_causal_mask`).
-    A stage other than the last then returns ``(hidden, positions)``, so the positions travel
-    with each pipeline microbatch to the next stage as its second input.
+    is causal within a document and never crosses into another, through the mask of
+    :meth:`document_mask`: a FlexAttention block mask on CUDA (no S×S mask, masked blocks
+    skipped), an explicit additive mask elsewhere. A stage other than the last then returns
+    ``(hidden, positions)``, so the positions travel with each pipeline microbatch to the next
+    stage as its second input. With ``mask_documents = False``, set by the engine on the host for
+    a micro-batch whose rows all have their labels in their first document
+    (:func:`neuron_parallel.batches.causal_rows`), the rows take the mask-free causal path
+    instead, the positions still giving the rotary positions (and the pipeline its shapes).
+
+    The last stage returns logits, or with ``return_logits = False`` the final norm's output,
+    which :meth:`loss` turns into the loss a chunk of tokens at a time (the engine's way).
     """
 
     def __init__(self, full: nn.Module, layer_ids: range, *, first: bool, last: bool, recompute_every: int = 0):
@@ -82,6 +134,11 @@ class CausalLMStage(nn.Module):
         self.first, self.last = first, last
         self.recompute_every = recompute_every
         self.sequence_shards = 1
+        self.return_logits = True
+        self.mask_documents = True
+        self.flex_attention: bool | None = None
+        """Whether packed rows attend through FlexAttention; None: on CUDA only."""
+        self.loss_chunk_bytes = LOSS_CHUNK_BYTES
 
     def full_seq_len(self, x: torch.Tensor) -> int:
         """The whole sequence length of this stage's input ``x`` (ids or hidden states)."""
@@ -96,7 +153,8 @@ class CausalLMStage(nn.Module):
             seq_len = seq_len or self.full_seq_len(x)
             position_ids, mask = torch.arange(seq_len, device=local_h.device).unsqueeze(0), None
         else:
-            position_ids, mask = positions, document_causal_mask(positions)
+            mask = self.document_mask(positions, local_h.dtype) if self.mask_documents else None
+            position_ids = positions
         rope = self.model.rotary_emb(local_h, position_ids)
         for i, layer in enumerate(self.model.layers.values()):
             if self.training and self.recompute_every and i % self.recompute_every == 0:
@@ -104,19 +162,59 @@ class CausalLMStage(nn.Module):
             else:
                 h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
         if self.last:
-            return self.lm_head(self.model.norm(h))
+            h = self.model.norm(h)
+            return self.lm_head(h) if self.return_logits else h
         return h if positions is None else (h, positions)
+
+    def document_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> BlockMask | torch.Tensor:
+        """The mask of rows packed from documents, built once per forward for every layer: a
+        FlexAttention block mask on CUDA (unless attention dropout is on in training:
+        FlexAttention has none), else :func:`document_causal_mask` as an additive mask (0 where
+        attention is allowed, -inf elsewhere) in the dtype attention computes in (the autocast
+        dtype, else ``dtype``), which scaled-dot-product attention uses as it is. A boolean mask
+        would be converted to that in every layer, and the CPU kernel keeps each layer's
+        converted copy for backward."""
+        flex = self.flex_attention
+        if flex is None:
+            flex = positions.device.type == "cuda" and not (self.training and self.config.attention_dropout)
+        if flex:
+            return document_block_mask(positions)
+        device = positions.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        allowed = document_causal_mask(positions)
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:func:`causal_lm_loss` of this (last) stage's lm_head over ``hidden``, the final norm's
+        output (``return_logits = False``): :func:`lm_head_loss` with ``loss_chunk_bytes``."""
+        return lm_head_loss(self.lm_head, hidden, labels, chunk_bytes=self.loss_chunk_bytes)
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """The boolean attention mask ``(batch, 1, seq, seq)`` of rows packed from documents: query
     ``i`` sees key ``j`` when ``j <= i`` and both lie in the same document, a document starting
     wherever the position id is 0. An explicit mask for scaled-dot-product attention runs on
-    every device (cpu, cuda, neuron); variable-length kernels do not."""
+    every device (cpu, cuda, neuron); variable-length kernels do not, and torch-neuronx runs its
+    NKI flash attention kernel only without a mask (AWS Neuron documentation, TorchNeuron)."""
     doc = (positions == 0).cumsum(-1)
     seq = positions.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
     return ((doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
+def document_block_mask(positions: torch.Tensor) -> BlockMask:
+    """:func:`document_causal_mask` as a FlexAttention ``BlockMask``: per block of query and key
+    positions, whether it is empty, full or partial, and the mask function for partial blocks,
+    so attention skips the empty blocks and no S×S tensor exists (built compiled on CUDA)."""
+    doc = (positions == 0).cumsum(-1)
+
+    def same_document_causal(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (kv <= q)
+
+    batch, seq = positions.shape
+    cuda = positions.device.type == "cuda"
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=positions.device, _compile=cuda)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -124,7 +222,43 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ``IGNORE_INDEX`` = -100 elsewhere), in fp32. The caller divides by the number of labelled
     positions of the whole global batch (see ``neuron_parallel.train.LOSS_RULE``): a mean per
     micro-batch would weigh a token by how many others share its micro-batch."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def lm_head_loss(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, chunk_bytes: int = LOSS_CHUNK_BYTES
+) -> torch.Tensor:
+    """:func:`causal_lm_loss` of ``head(hidden)``, never holding the fp32 logits of more than
+    :func:`~neuron_parallel.planning.attention.loss_chunk_tokens` tokens: the tokens are taken a
+    chunk at a time, each chunk's logits and loss computed under activation checkpointing
+    (``torch.utils.checkpoint``), so only the chunk's slice of ``hidden`` is kept for backward,
+    where the chunk's logits are computed again (one more lm_head forward). A micro-batch of one
+    chunk or fewer tokens runs as one piece, without recomputation. The sum over chunks is the
+    same loss and the same gradients, up to the order of fp32 sums (under autocast the lm_head's
+    weight gradient adds one bf16 product per chunk).
+
+    Under tensor parallelism ``head`` is column-parallel with vocabulary-sharded logits, and the
+    caller runs forward and backward inside ``loss_parallel()`` as for :func:`causal_lm_loss`;
+    ``hidden`` (sequence-sharded under sequence parallelism) is gathered once, as the head's
+    own input hook would, before it is cut into chunks."""
+    n = labels.numel()
+    chunk = loss_chunk_tokens(local(head.weight).shape[0], chunk_bytes)
+    if n <= chunk:
+        return causal_lm_loss(head(hidden), labels)
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    grad = torch.is_grad_enabled()
+    total = None
+    for start in range(0, n, chunk):
+        piece = (head, hidden[start : start + chunk], labels[start : start + chunk])
+        part = checkpoint(_logits_loss, *piece, use_reentrant=False) if grad else _logits_loss(*piece)
+        total = part if total is None else total + part
+    return total
+
+
+def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return causal_lm_loss(head(hidden), labels)
 
 
 def materialize(stage: CausalLMStage, device: torch.device) -> None:

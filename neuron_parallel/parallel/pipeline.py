@@ -103,11 +103,13 @@ class PipelineRunner:
     """Wraps torch.distributed.pipelining PipelineStage(s) + schedule for this rank.
 
     ``stages`` are this rank's built modules (materialised, weights loaded, possibly TP-sharded)
-    and ``stage_ids`` their global indices. ``loss_fn(logits, labels)`` returns the loss of one
-    microbatch (:func:`~neuron_parallel.models.causal_lm.causal_lm_loss`: a sum over its
-    labelled tokens). ``loss_scale`` (an attribute, settable between calls) multiplies the loss
-    used for backward, e.g. ``1 / labelled tokens of the global batch``; ``step`` returns the
-    unscaled sum over the microbatches.
+    and ``stage_ids`` their global indices. ``loss_fn(output, labels)`` returns the loss of one
+    microbatch from the last stage's output, a sum over its labelled tokens
+    (:func:`~neuron_parallel.models.causal_lm.causal_lm_loss` of logits, or the engine's
+    :meth:`~neuron_parallel.models.causal_lm.CausalLMStage.loss` of the final norm's output).
+    ``loss_scale`` (an attribute, settable between calls) multiplies the loss used for backward,
+    e.g. ``1 / labelled tokens of the global batch``; ``step`` returns the unscaled sum over the
+    microbatches.
     """
 
     def __init__(

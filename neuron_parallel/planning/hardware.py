@@ -2,9 +2,11 @@
 
 Peaks, memory and bandwidths come from the vendors' public specifications (AWS's Trainium and
 EC2 instance pages, NVIDIA's datasheets), each cited where it is set; bandwidths are nominal link
-rates, and the planner's step-time model is only as good as they are. ``efficiency`` (the
-fraction of the bf16 peak a large matmul reaches) and ``reserved_bytes`` (runtime,
-collective-library buffers) are planning assumptions, stated as such.
+rates, and the planner's step-time model is only as good as they are. Each kind has two peaks,
+bf16 and fp32: the planner computes at the one of the precision the job runs
+(``HardwareSpec.peak_flops``). ``efficiency`` (the fraction of the peak a large matmul reaches)
+and ``reserved_bytes`` (runtime, collective-library buffers) are planning assumptions, stated as
+such.
 
 More kinds load from YAML (``load_hardware``; keys are the ``HardwareSpec`` field names, sizes
 in bytes or with a GiB/GB/TB suffix); ``get_hardware`` accepts a catalog name or a YAML path.
@@ -35,7 +37,7 @@ class HardwareSpec:
     memory_per_rank: int
     """Device memory one rank can address, bytes."""
     peak_flops_per_rank: float
-    """Dense bf16 FLOP/s of one rank (the MFU denominator)."""
+    """Dense bf16 FLOP/s of one rank (the MFU denominator of a bf16 run)."""
     intra_node_bw: float
     """Collective bus bandwidth per rank inside a node, bytes/s."""
     inter_node_bw: float
@@ -44,8 +46,11 @@ class HardwareSpec:
     """torch device type: cpu, cuda or neuron."""
     backend: str = ""
     """torch.distributed backend; follows from ``device`` when empty."""
+    peak_fp32_flops_per_rank: float = 0.0
+    """Dense FLOP/s of one rank for fp32 matmuls as the trainer runs them (TF32 tensor cores on
+    CUDA, where the trainer enables TF32); 0 takes ``peak_flops_per_rank``."""
     efficiency: float = 0.4
-    """Fraction of ``peak_flops_per_rank`` a large matmul reaches (planning assumption)."""
+    """Fraction of the peak (``peak_flops``) a large matmul reaches (planning assumption)."""
     reserved_bytes: int = 0
     """Device memory the runtime and collective libraries keep for themselves."""
     allocator_margin: float = 0.10
@@ -64,6 +69,19 @@ class HardwareSpec:
                 raise ValueError(f"hardware {self.name}: {field} must be > 0, got {getattr(self, field)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"hardware {self.name}: efficiency must lie in (0, 1], got {self.efficiency}")
+        if self.peak_fp32_flops_per_rank < 0:
+            raise ValueError(
+                f"hardware {self.name}: peak_fp32_flops_per_rank must be >= 0 (0: as peak_flops_per_rank), "
+                f"got {self.peak_fp32_flops_per_rank}"
+            )
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense FLOP/s of one rank at the planner's ``precision``: ``fp32`` runs its matmuls in
+        fp32 (``peak_fp32_flops_per_rank``), ``bf16`` and ``bf16_autocast`` in bf16
+        (``peak_flops_per_rank``)."""
+        if precision == "fp32" and self.peak_fp32_flops_per_rank:
+            return self.peak_fp32_flops_per_rank
+        return self.peak_flops_per_rank
 
     def with_ranks(self, ranks_per_node: int) -> HardwareSpec:
         """The same kind with another rank count per node; for ``cpu`` the OS memory is re-split."""
@@ -75,7 +93,10 @@ class HardwareSpec:
         return dataclasses.replace(self, ranks_per_node=ranks_per_node, memory_per_rank=memory)
 
 
-# Trainium: per-chip dense bf16 peaks and memory from AWS; ranks are logical NeuronCores.
+# Trainium: per-chip dense bf16 and FP32 peaks and memory from AWS's architecture pages (Trainium:
+# 190 BF16/TF32 and 47.5 FP32 TFLOPS per chip; Trainium2: 667 and 181; Trainium3: 671 and 183);
+# ranks are logical NeuronCores. fp32 is planned at the FP32 rate: no cast of fp32 matmuls to a
+# narrower type is assumed.
 # NeuronLink and EFA rates: AWS Neuron architecture pages (trn1-arch: NeuronLink-v2 384 GiB/s per
 # device, EFA 800 Gbps on trn1.32xlarge; trn2-arch: 16 chips in a 4x4 torus, NeuronLink-v3 about
 # 1 TB/s per chip, EFAv3 3.2 Tbps per trn2.48xlarge; trainium3 page: NeuronLink-v4 2.56 TB/s per
@@ -97,14 +118,17 @@ def _trainium(**fields) -> HardwareSpec:
     return HardwareSpec(device="neuron", efficiency=0.40, reserved_bytes=1 * GiB, **fields)
 
 
-def _trainium_16_chips(name: str, *, chip_flops: float, chip_memory: int, chip_link_bw: float, source: str):
+def _trainium_16_chips(
+    name: str, *, chip_flops: float, chip_fp32_flops: float, chip_memory: int, chip_link_bw: float, source: str
+):
     """A 16-chip Trainium node at LNC=2 (4 logical ranks per chip, 64 per node): each rank gets a
-    quarter of its chip's peak, memory and NeuronLink rate; 3.2 Tbps of EFA per node."""
+    quarter of its chip's peaks, memory and NeuronLink rate; 3.2 Tbps of EFA per node."""
     return _trainium(
         name=name,
         ranks_per_node=64,
         memory_per_rank=chip_memory // 4,
         peak_flops_per_rank=chip_flops / 4,
+        peak_fp32_flops_per_rank=chip_fp32_flops / 4,
         intra_node_bw=chip_link_bw / 4,
         inter_node_bw=3.2e12 / 8,
         source=source,
@@ -113,12 +137,15 @@ def _trainium_16_chips(name: str, *, chip_flops: float, chip_memory: int, chip_l
 
 def _nvidia_8gpu(**fields) -> HardwareSpec:
     """An 8-GPU NVLink node of the p5 family. H100 SXM / H200 dense bf16 peak from NVIDIA's
-    datasheets; NVLink 4 is 900 GB/s bidirectional per GPU (450 GB/s each way); p5.48xlarge and
-    p5en.48xlarge have 3200 Gbps of EFA (AWS EC2 P5 page). efficiency 0.55: published end-to-end
+    datasheets (989 TFLOP/s), and for fp32 matmuls their TF32 tensor-core peak (989 TFLOP/s with
+    sparsity, half of it dense), which the trainer enables on CUDA; NVLink 4 is 900 GB/s
+    bidirectional per GPU (450 GB/s each way); p5.48xlarge and p5en.48xlarge have 3200 Gbps of
+    EFA (AWS EC2 P5 page). efficiency 0.55: published end-to-end
     MFU is 39-48 % (torchtitan, Megatron, LLM Foundry), so the matmuls alone run somewhat above."""
     return HardwareSpec(
         ranks_per_node=8,
         peak_flops_per_rank=989e12,
+        peak_fp32_flops_per_rank=989e12 / 2,
         intra_node_bw=450e9,
         inter_node_bw=3.2e12 / 8,
         device="cuda",
@@ -134,28 +161,32 @@ for _spec in (
         ranks_per_node=32,
         memory_per_rank=16 * GiB,
         peak_flops_per_rank=95e12,
+        peak_fp32_flops_per_rank=47.5e12 / 2,
         intra_node_bw=384 * GiB / 2,
         inter_node_bw=800e9 / 8,
         planning_only=True,
-        source="AWS Trainium pages (190 TFLOP/s, 32 GiB per chip, 2 cores); "
+        source="AWS Trainium pages (190 TFLOP/s bf16, 47.5 fp32, 32 GiB per chip, 2 cores); "
         "AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
         "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
     ),
     _trainium_16_chips(
         "trn2.48xlarge",
         chip_flops=667e12,
+        chip_fp32_flops=181e12,
         chip_memory=96 * GiB,
         chip_link_bw=1e12,
-        source="AWS Trainium pages (667 TFLOP/s, 96 GiB per chip, 4 ranks per chip at LNC=2); "
+        source="AWS Trainium pages (667 TFLOP/s bf16, 181 fp32, 96 GiB per chip, 4 ranks per chip at LNC=2); "
         "AWS trn2-arch (NeuronLink-v3, EFAv3 3.2 Tbps)",
     ),
     _trainium_16_chips(
         "trn3",
         chip_flops=671e12,
+        chip_fp32_flops=183e12,
         chip_memory=144 * GiB,
         chip_link_bw=2.56e12,
-        source="AWS Trainium pages (671 TFLOP/s, 144 GiB per chip); AWS trainium3 page (8 NeuronCore-v4 per "
-        "chip, so 4 ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); EFA rate assumed as trn2",
+        source="AWS Trainium pages (671 TFLOP/s bf16, 183 fp32, 144 GiB per chip); AWS trainium3 page (8 "
+        "NeuronCore-v4 per chip, so 4 ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); "
+        "EFA rate assumed as trn2",
     ),
     _nvidia_8gpu(
         name="p5.48xlarge",
@@ -183,7 +214,8 @@ def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
     """This machine: one rank per core (or ``ranks_per_node``), the physical memory split evenly.
 
     No figure here is published: the peak is nominal (cores × 2.5 GHz × 32 fp32 FLOP/cycle for
-    AVX2 FMA), gloo over loopback is taken as ~2 GB/s per rank. Good for relative ranking only.
+    AVX2 FMA), taken for bf16 as well (no faster bf16 unit is assumed); gloo over loopback is
+    taken as ~2 GB/s per rank. Good for relative ranking only.
     """
     cores = os.cpu_count() or 1
     ranks = ranks_per_node or cores
@@ -191,11 +223,13 @@ def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 8 * GiB  # no sysconf (non-POSIX): a conservative guess
+    peak = 2.5e9 * 32 * cores / ranks
     return HardwareSpec(
         name="cpu",
         ranks_per_node=ranks,
         memory_per_rank=total // ranks,
-        peak_flops_per_rank=2.5e9 * 32 * cores / ranks,
+        peak_flops_per_rank=peak,
+        peak_fp32_flops_per_rank=peak,
         intra_node_bw=2e9,
         inter_node_bw=1.25e9,
         device="cpu",
@@ -231,7 +265,7 @@ def load_hardware(path: str | Path, *, register: bool = True) -> HardwareSpec:
     for key in ("memory_per_rank", "reserved_bytes"):
         if key in data:
             data[key] = int(_number(data[key]))
-    for key in ("peak_flops_per_rank", "intra_node_bw", "inter_node_bw"):
+    for key in ("peak_flops_per_rank", "peak_fp32_flops_per_rank", "intra_node_bw", "inter_node_bw"):
         if key in data:
             data[key] = float(_number(data[key]))
     data.setdefault("name", Path(path).stem)

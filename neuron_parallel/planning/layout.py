@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import JobConfig, ParallelConfig
 from ..utils import divisors, split_layers
+from .attention import block_size_advice
 from .memory import ModelShape
 
 
@@ -131,6 +132,9 @@ def check_layout(job: JobConfig) -> CheckedLayout:
     notes = []
     if pc.tp > shape.num_kv_heads:
         notes.append(f"KV heads replicated {pc.tp // shape.num_kv_heads}x (tp={pc.tp} > {shape.num_kv_heads} KV heads)")
+    advice = block_size_advice(job.device, job.data.documents, job.block_size, shape.head_dim)
+    if advice:
+        notes.append(advice)
     return CheckedLayout(
         parallel=pc,
         world_size=pc.world_size,

@@ -13,23 +13,27 @@ The model is of *this* library's engine (``neuron_parallel.engine``), tensor by 
   largest first on the least-loaded dp rank, per parameter group (matrices, then vectors);
   ``zero_partition`` replays that placement exactly.
 * activations saved for backward, per decoder layer and token, read off the autograd graph of
-  Hugging Face's Llama block under sdpa (flash attention on every backend we use, so no
-  ``5as/h`` score term of Korthikanti et al.'s GPT formula) and of our DTensor TP/SP plan; see
+  Hugging Face's Llama block under a flash attention kernel (no ``5as/h`` score term of
+  Korthikanti et al.'s GPT formula) and of our DTensor TP/SP plan; see
   ``layer_activation_bytes``. Sequence parallelism shards the residual stream and norms, but
   the all-gathered input of attention and of the MLP is saved whole by the projections
   (DTensor does not re-gather in backward as Megatron does), so our SP saves ``2h`` per token
-  more than Korthikanti's ``34/t``. Full recompute keeps the layer input only.
+  more than Korthikanti's ``34/t``. Full recompute keeps the layer input only. What another
+  attention path of the device and data adds (an explicit mask on CPU, fp32 scores on neuron)
+  is ``neuron_parallel.planning.attention``'s.
 * the loss: three fp32 ``b·s·V/tp`` buffers at the start of a microbatch's backward (log-softmax
   output, its incoming and its outgoing gradient; under tp ``loss_parallel`` also keeps the
-  logits: four); other in-flight microbatches keep their log-softmax, and a pipeline's last
-  stage keeps each in-flight microbatch's logits in the stage's forward cache.
+  logits: four), ``b·s`` the tokens of one chunk of the loss (``attention.logits_bytes``); other
+  in-flight microbatches keep their log-softmax unless the loss is chunked, which keeps nothing
+  of the logits until backward but the fp32 final-norm output the chunks start from. A
+  pipeline's last stage caches its output, the final norm's, in its forward cache.
 * pipeline buffers: ``torch.distributed.pipelining`` allocates one activation receive buffer
   and one gradient receive buffer per microbatch, for the whole run, and caches each in-flight
   stage output; 1F1B keeps ``p - r`` microbatches in flight on pp rank ``r``, GPipe all ``m``,
   interleaved 1F1B ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
-* transients: a layer's backward (two ``b·s·i/tp`` MLP gradients beyond what it saved), a
-  recomputed layer, the dp reduction's flat buckets (``GradReducer`` of
-  ``neuron_parallel.parallel.data_parallel``: up to ``BUCKET_BYTES`` each; see ``max_bucket``),
+* transients: a layer's backward (two ``b·s·i/tp`` MLP gradients beyond what it saved, and the
+  attention path's work), a recomputed layer, the dp reduction's flat bucket (``GradReducer`` of
+  ``neuron_parallel.parallel.data_parallel``: up to ``BUCKET_BYTES``; see ``max_bucket``),
   AdamW's per-parameter temporaries (``sqrt`` and the division: 2 × the largest owned parameter,
   fp32).
 
@@ -46,7 +50,8 @@ then checked against allocator measurements of real training steps in bench/plan
 cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, ZeRO-1, recompute, KV replication) and 2 of the
 engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as in the ZeRO
 paper and NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it,
-so it is not measured.
+so it is not measured. The attention paths and the chunked loss are checked against the tensor
+bytes of a stage's forward and backward on CPU in tests/unit/test_planner_attention.py.
 
 LoRA (``lora``, a ``neuron_parallel.config.LoraConfig``; ``neuron_parallel.planning.lora``): the
 frozen base weights at the precision's parameter bytes, the adapters and ``modules_to_save`` as
@@ -76,6 +81,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..utils import split_layers
+from .attention import attention_bytes, attention_path, logits_bytes
 from .lora import frozen_layer_matrices, lora_stage_params, trained_in_full
 from .model import HF_NAMES, STATES, ModelShape, StateBytes, local_kv_heads, stage_params
 
@@ -116,12 +122,11 @@ def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[
 
 
 def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
-    """The bytes the model allows for the dp reduction's flat buckets (grad sizes in bytes, in
-    order): buckets of up to ``cap`` (a larger grad is its own bucket), two consecutive ones
-    alive at once. ``GradReducer`` (its buckets cut by ``plan_buckets``: from the last parameter
-    back, and at dtype changes) copies one bucket at a time into a new flat buffer that replaces
-    the bucket's gradients, which are released as soon as it is made: two buckets is an allowance
-    above what it holds."""
+    """The bytes the dp reduction holds beyond the gradients (grad sizes in bytes, in order): its
+    largest flat bucket, of up to ``cap`` (a larger grad is its own bucket). ``GradReducer`` (its
+    buckets cut by ``plan_buckets``: from the last parameter back, and at dtype changes) copies
+    one bucket at a time into a new flat buffer that replaces the bucket's gradients, which are
+    released as soon as it is made, so one bucket at a time is more than the gradients."""
     buckets, size = [], 0
     for n in sizes:
         if size and size + n > cap:
@@ -129,7 +134,7 @@ def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
             size = 0
         size += n
     buckets.append(size)
-    return max([a + b for a, b in zip(buckets, buckets[1:])] or buckets)
+    return max(buckets)
 
 
 def norm_bytes(
@@ -285,11 +290,14 @@ class _RankActivations:
     per_layer: float  # bytes per token a decoder layer saves without recompute
     boundary: float  # one microbatch crossing a stage boundary
     chunk: list[float]  # bytes one microbatch saves in each model chunk
-    logits: float  # one fp32 ``b·s·V/tp`` buffer
+    logits: float  # one fp32 ``b·s·V/tp`` buffer of the loss (``b·s``: one chunk's tokens when chunked)
     lora: LoraConfig | None = None
     layer_weights: float = 0.0  # bytes a layer saves whatever the tokens: LoRA's frozen bf16 weight copies
     head: float = 0.0  # per token, the final norm and lm_head input a microbatch leaves on the last stage
     head_weights: float = 0.0  # the lm_head's frozen bf16 copy, per microbatch on the last stage
+    chunked: bool = False  # the loss runs a chunk of tokens at a time
+    output_cache: float = 0.0  # per token, a pipeline's last stage output, where nothing else keeps it
+    attention_work: float = 0.0  # per token, the attention path's tensors during a layer's backward
 
     @property
     def first(self) -> bool:
@@ -311,13 +319,14 @@ class _RankActivations:
         h, seq = self.shape.hidden_size, self.tp if self.sp else 1
         acts = n_live * sum(self.chunk) / v + (tokens * 16 if self.first else 0)  # + int64 ids and labels
         n_last = (n_live if v == 1 else min(n_live, 1)) if self.last else 0  # microbatches in the last stage
-        # per microbatch: the last layer's output, the final norm and the lm_head input
+        # per microbatch: the last layer's output, the final norm and the lm_head input; a
+        # pipeline stage's forward cache keeps every in-flight output (the final norm's, on the
+        # last stage)
         acts += n_last * tokens * (h * st.resid / seq + self.head) + n_last * self.head_weights
-        # other in-flight microbatches' saved log-softmax; a pipeline stage's forward cache keeps
-        # every in-flight output (the logits, on the last stage)
+        acts += n_last * tokens * self.output_cache if self.pp > 1 else 0
         loss = 0.0
-        if self.last:
-            loss = self.loss_now + max(n_last - 1, 0) * self.logits + (n_last * self.logits if self.pp > 1 else 0)
+        if self.last:  # and other in-flight microbatches' saved log-softmax, unless chunked
+            loss = self.loss_now + (0 if self.chunked else max(n_last - 1, 0) * self.logits)
         pipe = 0.0
         if self.pp > 1:
             receive = sum(1 for sid in self.ids if sid > 0) + sum(1 for sid in self.ids if sid < self.n_stages - 1)
@@ -339,26 +348,37 @@ def _rank_activations(
     ids: list[int],
     n_stages: int,
     lora: LoraConfig | None = None,
+    *,
+    seq_len: int,
+    path: str = "flash",
 ) -> _RankActivations:
     """The activation sizes of the rank holding the stages ``ids`` for microbatches of ``tokens``
-    tokens: per model chunk, the saved tensors of its layers (a checkpointed layer keeps its
-    input only) less the chunk's input when a receive buffer holds it (every stage but the first)."""
+    tokens (sequences of ``seq_len``, attention ``path``): per model chunk, the saved tensors of
+    its layers (a checkpointed layer keeps its input only) and the attention mask, less the
+    chunk's input when a receive buffer holds it (every stage but the first)."""
     h, seq = shape.hidden_size, tp if sp else 1
-    per_layer = sum(layer_activation_bytes(shape, tp, sp, st, lora).values())
+    attention = attention_bytes(shape, tp, seq_len, st, path)
+    per_layer = sum(layer_activation_bytes(shape, tp, sp, st, lora).values()) + attention["layer"]
     boundary = tokens * h * st.resid / seq
-    head, layer_weights, head_weights = norm_bytes(h, tp, sp, st), 0.0, 0.0
+    logits, chunked = logits_bytes(shape, tp, tokens)
+    head, layer_weights, head_weights, head_trained = norm_bytes(h, tp, sp, st), 0.0, 0.0, True
     if lora is not None:
         head_trained = "lm_head" in trained_in_full(shape, lora)
         head = norm_bytes(h, tp, sp, st, int(head_trained), frozen=True)
         if st.autocast:  # torch's autocast caches only weights that require grad
             layer_weights = frozen_layer_matrices(shape, tp) * st.cast_cache
             head_weights = (not head_trained) * shape.vocab_size // tp * h * st.cast_cache
+    if chunked:  # the chunks keep the fp32 final-norm output (whole under SP), no lm_head weight copy
+        head, head_weights = norm_bytes(h, tp, sp, st, 0, frozen=lora is not None) + h * st.resid, 0.0
+    # the final norm's output is what the lm_head or the chunks keep, but under SP (they keep its
+    # gathered copy) or where the lm_head keeps no fp32 input (autocast's bf16 copy, a frozen head)
+    kept = not sp and (chunked or (head_trained and not st.autocast))
     chunk = []
     for sid in ids:
         n = layers[sid]
         saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
         chunk.append(
-            tokens * (saved * per_layer + (n - saved) * h * st.resid / seq)
+            tokens * (saved * per_layer + (n - saved) * h * st.resid / seq + attention["mask"])
             - (boundary if sid else 0)
             + saved * layer_weights
         )
@@ -375,11 +395,14 @@ def _rank_activations(
         per_layer=per_layer,
         boundary=boundary,
         chunk=chunk,
-        logits=tokens * shape.vocab_size / tp * 4,
+        logits=logits,
         lora=lora,
         layer_weights=layer_weights,
         head=head,
         head_weights=head_weights,
+        chunked=chunked,
+        output_cache=0.0 if kept else h * st.resid / seq,
+        attention_work=attention["work"],
     )
 
 
@@ -398,6 +421,7 @@ def _backward_phases(
     # recomputed layer rebuilds its saved tensors first. The loss buffers are gone by then.
     layer_work = tokens * (2 * rank.shape.intermediate_size / rank.tp * st.act + (rank.per_layer if recompute else 0))
     layer_work += rank.layer_weights if recompute else 0
+    layer_work += tokens * rank.attention_work
     all_grads = states["trainable_numel"] * st.grad
     h = rank.shape.hidden_size
     head_grads = (rank.shape.vocab_size // rank.tp * h + h) * st.grad if rank.last else 0
@@ -475,20 +499,25 @@ def stage_memory(
     layers: list[int],
     dp_rank: int | None = None,
     lora: LoraConfig | None = None,
+    device: str = "cpu",
+    documents: bool = False,
 ) -> StageMemory:
     """Peak tensor bytes on pp rank ``pp_rank`` (dp rank ``dp_rank``; default the most loaded).
 
     ``micro_batch`` is the pipeline microbatch (sequences per stage forward), ``layers`` the
     layer count of every stage (``pp × virtual_stages`` entries), ``recompute`` the engine's
     every-k-th-layer checkpointing (0 = off), ``lora`` the adapters trained on a frozen base
-    (None: full fine-tuning)."""
+    (None: full fine-tuning); ``device`` and ``documents`` (rows packed from documents) choose
+    the attention path (``attention.attention_path``)."""
     st = STATES[precision]
     n_stages, ids = pp * virtual_stages, [pp_rank + c * pp for c in range(virtual_stages)]
     sizes, states, largest = _rank_parameters(
         shape, st, tp=tp, dp=dp, zero_1=zero_1, layers=layers, ids=ids, n_stages=n_stages, dp_rank=dp_rank, lora=lora
     )
     tokens = micro_batch * seq_len
-    rank = _rank_activations(shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages, lora)
+    path = attention_path(device, documents, seq_len, shape.head_dim)
+    args = (shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages, lora)
+    rank = _rank_activations(*args, seq_len=seq_len, path=path)
     phases = _backward_phases(
         rank, states, schedule=schedule, recompute=recompute, grad_accum=grad_accum, pp_rank=pp_rank
     )
@@ -508,11 +537,13 @@ def layout_memory(
     pp_rank: int,
     dp_rank: int | None = None,
     lora: LoraConfig | None = None,
+    device: str = "cpu",
+    documents: bool = False,
 ) -> StageMemory:
     """``stage_memory`` of a layout with ``ParallelConfig``'s field names (a ``ParallelConfig``, the
     planner's ``Candidate``): its ``micro_batch_size`` sequences per dp rank and forward/backward
-    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline); ``lora``
-    as in ``stage_memory``."""
+    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline); ``lora``,
+    ``device`` and ``documents`` as in ``stage_memory``."""
     m = layout.num_microbatches if layout.pp > 1 else 1
     return stage_memory(
         shape,
@@ -533,18 +564,22 @@ def layout_memory(
         layers=layers,
         dp_rank=dp_rank,
         lora=lora,
+        device=device,
+        documents=documents,
     )
 
 
 def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     """The model above for global rank ``rank`` of an engine job (``neuron_parallel.config.JobConfig``):
     its pp and dp coordinates, the job's layer split, microbatching and precision (the engine's
-    bf16 mode keeps fp32 states, ``bf16_autocast``), and ``train.lora``'s adapters if any."""
+    bf16 mode keeps fp32 states, ``bf16_autocast``), ``train.lora``'s adapters if any, and the
+    attention path of its device and data (rows packed from documents or not)."""
     pc = job.parallel
     dp_rank, rest = divmod(rank, pc.pp * pc.tp)
     layers = [len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)]
     precision = "fp32" if pc.mixed_precision == "fp32" else "bf16_autocast"
     kw = dict(micro_batch_size=job.train.micro_batch_size, seq_len=job.block_size, grad_accum=job.grad_accum)
+    kw.update(device=job.device, documents=job.data.documents)
     return layout_memory(
         shape, pc, layers, **kw, precision=precision, pp_rank=rest // pc.tp, dp_rank=dp_rank, lora=job.train.lora
     )

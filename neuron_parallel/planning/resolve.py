@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
+from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig, resolve_precision
 from .search import FIXABLE, Candidate, LayoutSearch, search_layouts
 
 DEVICE_HARDWARE = {"cpu": "cpu", "cuda": "p5.48xlarge", "neuron": "trn2.48xlarge"}
@@ -57,7 +57,7 @@ def check_pinned(fixed: dict[str, Any], *, world_size: int, layer_split: list[in
 
 
 def pinned_layout(
-    fixed: dict[str, Any], *, world_size: int, mixed_precision: str = "fp32", layer_split: list[int] | None = None
+    fixed: dict[str, Any], *, world_size: int, mixed_precision: str = "auto", layer_split: list[int] | None = None
 ) -> ResolvedLayout | None:
     """The layout of a request that pins every field of ``FIXABLE``, as given (no search, no
     model read); None when something is left to the planner."""
@@ -77,10 +77,11 @@ def resolve_layout(
     hardware: str | None,
     seq_len: int,
     global_batch_size: int,
-    mixed_precision: str = "fp32",
+    mixed_precision: str = "auto",
     layer_split: list[int] | None = None,
     lora: LoraConfig | None = None,
     memory_fraction: float | None = None,
+    documents: bool = False,
 ) -> ResolvedLayout:
     """The layout for ``fixed`` (pinned values of ``FIXABLE``) on ``launch``'s ranks.
 
@@ -88,9 +89,12 @@ def resolve_layout(
     the world on ``hardware`` (default by device, ``DEVICE_HARDWARE``) for this sequence length,
     global batch, precision and training (full, or ``lora``'s adapters), keeping the pinned
     values; the fastest that fits within ``memory_fraction`` of a rank's memory (default
-    ``launch.memory_fraction``) wins. Raises ``ValueError`` with the search's reason when
-    nothing fits."""
+    ``launch.memory_fraction``) wins; ``documents``: rows packed from documents (their attention
+    path's memory is planned for). Raises ``ValueError`` with the search's reason when
+    nothing fits. ``mixed_precision`` ``auto`` is planned, and returned, as what
+    ``launch.device`` runs (``neuron_parallel.config.resolve_precision``)."""
     world = launch.nproc_per_node * launch.nnodes
+    mixed_precision = resolve_precision(mixed_precision, launch.device)
     check_pinned(fixed, world_size=world, layer_split=layer_split)
     pinned = pinned_layout(fixed, world_size=world, mixed_precision=mixed_precision, layer_split=layer_split)
     if pinned is not None:
@@ -109,6 +113,7 @@ def resolve_layout(
         fixed=fixed,
         lora=lora,
         memory_fraction=launch.memory_fraction if memory_fraction is None else memory_fraction,
+        documents=documents,
     )
     best = search.best
     if best is None:

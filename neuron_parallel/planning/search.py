@@ -13,7 +13,8 @@ headroom for what the model misses. ``lora`` plans adapters on a frozen base
 * compute: training FLOPs per token as in the PaLM paper's MFU (Chowdhery et al. 2022, appendix
   B: ``6N + 12·L·H·Q·T``; a recomputed layer adds its forward, a third of its training FLOPs;
   under LoRA a frozen weight costs ``4N``, no weight gradient) at ``peak × efficiency`` of the
-  hardware kind;
+  hardware kind, the peak of the precision run (``HardwareSpec.peak_flops``: fp32 matmuls for
+  ``fp32``, bf16 for ``bf16`` and ``bf16_autocast``), which is also the MFU denominator;
 * tensor parallelism: per layer and microbatch 4 collectives of ``b·s·h`` elements (6 with
   recompute; 2 more on a stage holding the embedding or the lm_head), ring cost ``2(t-1)/t``, on
   the node's links (TP never leaves a node);
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 
 from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
 from ..utils import divisors, split_layers
+from .attention import block_size_advice
 from .hardware import HardwareSpec, get_hardware
 from .layout import describe_layout, tp_problems
 from .lora import adapter_params, describe_lora, lora_flops_per_token, trainable_parameters, trained_in_full
@@ -110,6 +112,8 @@ class LayoutSearch:
     reason: str | None = None
     lora: LoraConfig | None = None
     memory_fraction: float = MEMORY_FRACTION
+    documents: bool = False
+    """Rows packed from documents (attention within documents), as planned for."""
 
     @property
     def memory_limit(self) -> float:
@@ -144,6 +148,7 @@ class LayoutSearch:
             "trainable_parameters": trainable,
             "memory_fraction": self.memory_fraction,
             "memory_limit_bytes": int(self.memory_limit),
+            "documents": self.documents,
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
@@ -212,7 +217,7 @@ def step_time(
     h, tp, pp, v = shape.hidden_size, c.tp, c.pp, c.virtual_stages
     b = c.micro_batch_size // c.num_microbatches
     tokens = b * seq_len
-    rate = hw.peak_flops_per_rank * hw.efficiency
+    rate = hw.peak_flops(c.precision) * hw.efficiency
     f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
     f_head = 2 * shape.vocab_size * h
     f_train, head_passes = 3 * f_layer, 3  # forward, input gradient, weight gradient
@@ -259,12 +264,13 @@ def _evaluate(
     global_batch: int,
     lora: LoraConfig | None,
     memory_fraction: float,
+    documents: bool = False,
 ) -> None:
     """Fill in ``c``'s memory, whether it fits ``memory_fraction`` of a rank, its step time, and
     when it does not fit, the reason and what would help."""
     layers = [len(r) for r in split_layers(shape.num_layers, c.pp * c.virtual_stages)]
     kw = dict(micro_batch_size=c.micro_batch_size, seq_len=seq_len, grad_accum=c.grad_accum, precision=c.precision)
-    kw.update(lora=lora)
+    kw.update(lora=lora, device=hw.device, documents=documents)
     # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
     # loss; the ranks between hold no more than rank 0
     worst = max((layout_memory(shape, c, layers, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
@@ -286,7 +292,7 @@ def _evaluate(
     c.tokens_per_s = global_batch * seq_len / c.step_time_s
     world = c.tp * c.pp * c.dp
     flops = lora_flops_per_token(shape, lora, seq_len) if lora else shape.flops_per_token(seq_len)
-    c.mfu = c.tokens_per_s * flops / (world * hw.peak_flops_per_rank)
+    c.mfu = c.tokens_per_s * flops / (world * hw.peak_flops(c.precision))
     if c.tp > shape.num_kv_heads:
         c.notes.append(f"KV heads replicated {c.tp // shape.num_kv_heads}x (tp={c.tp} > {shape.num_kv_heads} KV heads)")
     if not c.fits:
@@ -394,6 +400,7 @@ def _candidates(
     fixed: dict,
     lora: LoraConfig | None,
     memory_fraction: float,
+    documents: bool = False,
 ) -> list[Candidate]:
     """Every candidate over (tp, pp) splits of ``world`` ranks that ``fixed`` allows, evaluated;
     an invalid split is one candidate carrying its reason."""
@@ -425,7 +432,7 @@ def _candidates(
                     grad_accum=accum,
                     precision=precision,
                 )
-                _evaluate(shape, hw, c, seq_len, global_batch, lora, memory_fraction)
+                _evaluate(shape, hw, c, seq_len, global_batch, lora, memory_fraction, documents)
                 out.append(c)
     return out
 
@@ -482,27 +489,33 @@ def search_layouts(
     fixed: dict | None = None,
     lora: LoraConfig | None = None,
     memory_fraction: float = MEMORY_FRACTION,
+    documents: bool = False,
 ) -> LayoutSearch:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
     read) on ``nodes`` nodes of ``hardware`` (a catalog name, YAML path or ``HardwareSpec``),
     ranked best first. ``precision``: ``bf16`` (bf16 params/grads, fp32 master and Adam,
-    the ZeRO paper's mixed precision), ``fp32`` (the engine's default) or ``bf16_autocast`` (the
-    engine's ``mixed_precision: bf16``: fp32 states, bf16 autocast).
+    the ZeRO paper's mixed precision), ``fp32`` (the engine's ``mixed_precision: fp32``, which
+    ``auto`` runs on CPU) or ``bf16_autocast`` (the engine's ``mixed_precision: bf16``, which
+    ``auto`` runs on cuda and neuron: fp32 states, bf16 autocast); compute runs at that
+    precision's peak (``HardwareSpec.peak_flops``).
     ``fixed`` pins fields of ``FIXABLE`` (e.g. ``{"tp": 8, "zero_1": True}``): only layouts with
     those values are considered, and a pinned value is evaluated even where the free search
     would not try it (``activation_checkpointing=2``, ``num_microbatches=6``). ``lora`` plans
     low-rank adapters on the frozen model (None: full fine-tuning); a layout fits when its
-    predicted memory per rank is at most ``memory_fraction`` of the rank's memory."""
+    predicted memory per rank is at most ``memory_fraction`` of the rank's memory.
+    ``documents``: rows packed from documents, whose attention path on the hardware's device
+    (``neuron_parallel.planning.attention``) may hold an explicit mask or fp32 scores."""
     fixed = _check_arguments(fixed, precision, nodes, seq_len, global_batch, memory_fraction)
     shape = ModelShape.from_config(model_config)
     hw = get_hardware(hardware, ranks_per_node)
     world = nodes * hw.ranks_per_node
-    candidates = _candidates(shape, hw, world, seq_len, global_batch, precision, fixed, lora, memory_fraction)
-    candidates.sort(key=_rank_key)
+    args = (shape, hw, world, seq_len, global_batch, precision, fixed, lora, memory_fraction, documents)
+    candidates = sorted(_candidates(*args), key=_rank_key)
     report = LayoutSearch(
         shape, hw, nodes, seq_len, global_batch, precision, candidates, lora=lora, memory_fraction=memory_fraction
     )
+    report.documents = documents
     if not report.feasible:
         report.reason = _infeasible_reason(report, fixed)
     return report
@@ -526,6 +539,9 @@ def format_table(report: LayoutSearch, limit: int = 10) -> str:
     ]
     if hw.planning_only:
         lines.append(f"note: {hw.name} is for planning only ({hw.source})")
+    advice = block_size_advice(hw.device, report.documents, report.seq_len, report.model.head_dim)
+    if advice:
+        lines.append(f"note: {advice}")
     fitting = [c for c in report.candidates if c.fits][:limit]
     lines.append(f"{'layout':58s} {'GiB/rank':>8s} {'tokens/s':>10s} {'MFU':>5s}")
     for c in fitting:

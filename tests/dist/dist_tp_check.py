@@ -3,7 +3,11 @@
     run_ranks("tests/dist/dist_tp_check.py", N, ["NAME=ARGS", ...])   (neuron_parallel.testing.ranks)
 
 where each ARGS is ``[--model llama|qwen3] [--heads 4] [--kv-heads 2] [--no-sp]
-[--no-loss-parallel] [--tied] [--bias]``: the cases run one after another in one launch.
+[--no-loss-parallel] [--tied] [--bias] [--compile] [--loss-chunk N]``: the cases run one after
+another in one launch. ``--compile`` compiles the sharded decoder layers as ``train.compile`` does
+(``neuron_parallel.engine.compile_layers``: inductor on CPU). ``--loss-chunk N`` takes the loss
+as the engine does (``CausalLMStage.loss``: the stage returns the final norm's output), in
+chunks of N tokens.
 
 Every rank builds a tiny model on the meta device, shards it over a 1-D tp mesh of the world,
 materialises it and loads the weights of a seeded reference model (saved once as a Hugging
@@ -33,6 +37,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from neuron_parallel.checkpoint.save import _owns
 from neuron_parallel.checkpoint.tensors import HFWeights
+from neuron_parallel.engine import compile_layers
 from neuron_parallel.mesh import close_distributed, exit_rank
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, causal_lm_loss, load_weights, materialize
 from neuron_parallel.parallel.dtensor import local_view
@@ -98,13 +103,15 @@ class _Logits(torch.nn.Module):
         return self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
 
 
-def tp_stage(config, model_dir: str, tp_mesh, *, sp: bool, lp: bool) -> CausalLMStage:
-    """The project's real path: meta model → stage → TP → materialize → load_weights."""
+def tp_stage(config, model_dir: str, tp_mesh, *, sp: bool, lp: bool, compile: bool = False) -> CausalLMStage:
+    """The project's real path: meta model → stage → TP → materialize → load_weights (→ compile)."""
     full = build_meta_model(config)
     stage = CausalLMStage(full, range(config.num_hidden_layers), first=True, last=True)
     apply_tensor_parallel(stage, tp_mesh, sequence_parallel=sp, loss_parallel=lp)
     materialize(stage, torch.device("cpu"))
     load_weights(stage, HFWeights(model_dir), tied=config.tie_word_embeddings)
+    if compile:
+        compile_layers([stage], torch.device("cpu"))
     return stage.train()
 
 
@@ -122,7 +129,9 @@ def train(stage, vocab, *, lp=False):
     for step in range(STEPS):
         inputs, labels = batch(step, vocab)
         with loss_parallel() if lp else contextlib.nullcontext():
-            loss = causal_lm_loss(stage(inputs), labels) / labels.numel()
+            engine_loss = not getattr(stage, "return_logits", True)  # the chunked loss of the engine
+            loss = stage.loss(stage(inputs), labels) if engine_loss else causal_lm_loss(stage(inputs), labels)
+            loss = loss / labels.numel()
             loss.backward()
         align_grad_placements(stage.parameters())
         if step == 0:
@@ -168,6 +177,8 @@ def case_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-loss-parallel", action="store_true")
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--bias", action="store_true", help="attention_bias=True (q/k/v/o biases)")
+    ap.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile)")
+    ap.add_argument("--loss-chunk", type=int, default=0, help="the engine's loss in chunks of N tokens")
     return ap.parse_args(argv)
 
 
@@ -185,7 +196,10 @@ def run_case(args: argparse.Namespace, mesh) -> tuple[dict | None, bool]:
         ref_losses, ref_grads = train(reference_model(model_dir), config.vocab_size)
     dist.barrier()
 
-    stage = tp_stage(config, model_dir, mesh, sp=sp, lp=lp)
+    stage = tp_stage(config, model_dir, mesh, sp=sp, lp=lp, compile=args.compile)
+    if args.loss_chunk:
+        stage.return_logits = False
+        stage.loss_chunk_bytes = 4 * local_view(stage.lm_head.weight)[0].shape[0] * args.loss_chunk
     dist.barrier()  # every rank has loaded its slices: the directory can go
     if rank == 0:
         shutil.rmtree(model_dir, ignore_errors=True)
@@ -226,6 +240,8 @@ def run_case(args: argparse.Namespace, mesh) -> tuple[dict | None, bool]:
         "loss_parallel": lp,
         "tied": args.tied,
         "bias": args.bias,
+        "compile": args.compile,
+        "loss_chunk": args.loss_chunk,
         "losses": losses,
         "ref_losses": ref_losses,
         "max_rel_loss_diff": max(rel),

@@ -20,22 +20,31 @@ TOL = 1e-5
 CASES = {
     "llama_tp2_sp": (2, []),
     "llama_tp2_no_sp": (2, ["--no-sp"]),
+    # the engine's loss in chunks of 24 of the 64 tokens (24, 24, 16), vocabulary-parallel under SP
+    "llama_tp2_sp_chunked_loss": (2, ["--loss-chunk", "24"]),
     "llama_tp4_kv_replicated_sp_bias": (4, ["--bias"]),
     # q_norm/k_norm, with its single KV head replicated on both ranks (k_norm on a replica).
     "qwen3_tp2_sp_one_kv_head_bias": (2, ["--model", "qwen3", "--kv-heads", "1", "--bias"]),
     "llama_tp2_tied_replicated_logits": (2, ["--tied", "--no-loss-parallel"]),
+    # train.compile: the sharded layers compiled by inductor (about a minute of compiling)
+    "llama_tp2_sp_compiled": (2, ["--compile"]),
 }
 
 # Launches: name -> cases (all of one world size). test_parity.py runs tp2+SP, tp4 with KV
 # replication and tied embeddings through the real entry point in `make test`, so those launches
-# are slow here; the fast launch covers Qwen3 and TP without SP in one torchrun.
+# are slow here; the fast launch covers Qwen3, TP without SP and the chunked loss in one torchrun.
 LAUNCHES = {
-    "tp2_qwen3_sp+llama_no_sp": ["qwen3_tp2_sp_one_kv_head_bias", "llama_tp2_no_sp"],
+    "tp2_qwen3_sp+llama_no_sp+chunked_loss": [
+        "qwen3_tp2_sp_one_kv_head_bias",
+        "llama_tp2_no_sp",
+        "llama_tp2_sp_chunked_loss",
+    ],
     "tp2_llama_sp": ["llama_tp2_sp"],
     "tp4_kv_replicated": ["llama_tp4_kv_replicated_sp_bias"],
     "tp2_tied": ["llama_tp2_tied_replicated_logits"],
+    "tp2_compiled": ["llama_tp2_sp_compiled"],
 }
-FAST = {"tp2_qwen3_sp+llama_no_sp"}
+FAST = {"tp2_qwen3_sp+llama_no_sp+chunked_loss"}
 
 
 def run_cases(names: list[str]) -> dict[str, dict]:

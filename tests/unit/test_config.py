@@ -1,5 +1,6 @@
 """Config model: YAML, --set overrides, misspelt keys, derived dp, conversion to the library."""
 
+import json
 import subprocess
 import sys
 import time
@@ -45,6 +46,22 @@ def test_layout_fields_default_to_auto():
     assert cfg.parallel.tp == cfg.parallel.pp == cfg.parallel.zero_1 == "auto"
     assert cfg.pinned() == {} and cfg.hardware == "cpu"
     assert FinetuneConfig.load(None, ["launch.device=neuron"]).hardware == "trn2.48xlarge"
+
+
+def test_auto_precision_is_what_the_device_runs_once_the_job_is_built(tiny_world):
+    from neuron_flows.tasks import steps
+    from neuron_parallel.config import LaunchConfig
+
+    assert ParallelConfig().mixed_precision == FinetuneConfig().parallel.mixed_precision == "auto"
+    for device, runs in (("cpu", "fp32"), ("cuda", "bf16"), ("neuron", "bf16")):
+        job = JobConfig(model_path="m", dataset_path="d", output_dir="o", launch=LaunchConfig(device=device))
+        assert job.parallel.mixed_precision == runs
+        assert JobConfig.from_dict(json.loads(job.to_json())).parallel.mixed_precision == runs
+    given = JobConfig(model_path="m", dataset_path="d", output_dir="o", parallel=ParallelConfig(mixed_precision="bf16"))
+    assert given.parallel.mixed_precision == "bf16"
+    cfg = FinetuneConfig.load(TINY, [f"model.name_or_path={tiny_world['model']}"])
+    layout, search = steps.plan(cfg, tiny_world["model"])  # planned as it runs: fp32 on cpu
+    assert search.precision == "fp32" and layout.parallel.mixed_precision == "fp32"
 
 
 def test_overrides_are_typed_and_dp_is_derived():
@@ -130,7 +147,7 @@ def test_job_round_trips_through_json(tmp_path, tiny_world):
     )
     layout, _ = steps.plan(cfg, tiny_world["model"])
     job = cfg.to_job(model_path="m", dataset_path="d", layout=layout)
-    assert job.parallel == ParallelConfig(pp=2, dp=1, num_microbatches=2)
+    assert job.parallel == ParallelConfig(pp=2, dp=1, num_microbatches=2, mixed_precision="fp32")  # auto on cpu
     (tmp_path / "job.json").write_text(job.to_json())
     assert JobConfig.load(tmp_path / "job.json") == job
     assert job.global_batch_size == job.grad_accum * job.train.micro_batch_size * job.parallel.dp

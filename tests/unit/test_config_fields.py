@@ -68,6 +68,7 @@ SAMPLES = {
     "train.lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
     "train.early_stopping_patience": 3,
     "train.resume_from": str(Path(__file__).resolve().parent),  # any existing folder: it must exist
+    "train.compile": True,
     "train.profile_memory": True,
     "train.report_to": ["tensorboard", "mlflow"],
     "launch.device": "cuda",

@@ -100,6 +100,7 @@ def test_the_cards_configuration_is_a_config_that_runs_the_chosen_layout():
     again = FinetuneConfig.model_validate(yaml.safe_load(yaml.safe_dump(dumped)))
     assert again.parallel.tp == 2 and again.parallel.zero_1 is True and again.train.micro_batch_size == 2
     assert again.train.max_steps == 7 and again.hub.repo_id == "org/ft"
+    assert config.parallel.mixed_precision == "auto" and again.parallel.mixed_precision == "fp32"  # what ran
     result = TrainResult(run_dir="r", final_step=7, resumed_from_step=0, last_metrics={"loss": 2.0, "tokens_seen": 99})
     summary = card_summary(config, result, layout())
     assert summary["layout"] == "tp=2 pp=1 dp=2 zero1 sp" and summary["steps"] == 7

@@ -76,8 +76,8 @@ def test_zero_partition_replays_zero_redundancy_optimizer():
     sizes = ((100, True), (60, True), (50, True), (10, False), (10, False))
     # 100 → r0, 60 → r1, 50 → r1 (110), 10 → r0 (110), 10 → r0 on the tie (lowest index)
     assert zero_partition(sizes, 2) == ((120, 100), (110, 60))
-    # Two flat buckets are alive at once while the dp all-reduce walks the grads.
-    assert max_bucket([10, 20, 5], cap=25) == 35 and max_bucket([8], cap=25) == 8
+    # One flat bucket at a time beyond the grads while the dp all-reduce walks them: [10], [20, 5].
+    assert max_bucket([10, 20, 5], cap=25) == 25 and max_bucket([8], cap=25) == 8
 
 
 def test_hardware_catalog(tmp_path):
@@ -101,6 +101,23 @@ def test_hardware_catalog(tmp_path):
     assert trn1n.inter_node_bw == 2 * trn1.inter_node_bw and "trn1n" in hardware_names()
     with pytest.raises(ValueError, match="unknown hardware 'trn9'"):
         get_hardware("trn9")
+
+
+def test_compute_runs_at_the_peak_of_the_precision_run():
+    """AWS's Trainium2 page: 667 bf16 and 181 FP32 TFLOP/s per chip (4 ranks at LNC=2); NVIDIA's
+    H100/H200 datasheet: TF32 989 TFLOP/s with sparsity, half of it dense, the rate of fp32
+    matmuls with TF32 enabled. The same layout computes slower in fp32 by exactly that ratio,
+    and its MFU is against the fp32 peak."""
+    trn2, h200, cpu = get_hardware("trn2"), get_hardware("h200x8"), get_hardware("cpu", 2)
+    assert trn2.peak_flops("fp32") == 181e12 / 4 and trn2.peak_flops("bf16_autocast") == 667e12 / 4
+    assert h200.peak_flops("fp32") == 989e12 / 2 and h200.peak_flops("bf16") == 989e12
+    assert cpu.peak_flops("fp32") == cpu.peak_flops("bf16_autocast")  # one nominal figure on CPU
+    layout = dict(tp=8, pp=1, zero_1=True, sequence_parallel=True, activation_checkpointing=1, micro_batch_size=1)
+    kw = dict(seq_len=4096, global_batch=64, fixed=layout)
+    fp32, bf16 = (search_layouts(LLAMA_8B, "trn2", precision=p, **kw).candidates for p in ("fp32", "bf16_autocast"))
+    assert len(fp32) == len(bf16) == 1
+    assert fp32[0].time["compute_s"] / bf16[0].time["compute_s"] == pytest.approx(667 / 181)
+    assert fp32[0].mfu * fp32[0].step_time_s * 181 == pytest.approx(bf16[0].mfu * bf16[0].step_time_s * 667)
 
 
 def test_llama_8b_on_32_trn1(plans_trn1):

@@ -14,6 +14,7 @@ from neuron_parallel.reporting import (
     MetricsReporter,
     format_duration,
     metrics_reporter,
+    peak_memory_bytes,
 )
 
 
@@ -79,3 +80,39 @@ def test_eta_is_the_mean_step_time_since_the_start_times_the_steps_left(monkeypa
 )
 def test_durations_print_in_two_units_at_most(seconds, text):
     assert format_duration(seconds) == text
+
+
+def test_peak_memory_reads_the_devices_own_module_after_a_synchronize(monkeypatch):
+    """The device module's statistics, after a synchronize (torch.neuron stands in for
+    torch-neuronx's, which this machine has not); a device without statistics gives None."""
+    import types
+
+    import torch
+
+    calls = []
+
+    class DeviceModule:
+        def synchronize(self, *index):
+            calls.append(("synchronize", index))
+
+        def max_memory_allocated(self, *index):
+            calls.append(("max_memory_allocated", index))
+            return 3 * 2**30
+
+    monkeypatch.setattr(torch, "neuron", DeviceModule(), raising=False)
+    assert peak_memory_bytes("neuron") == 3 * 2**30
+    assert calls == [("synchronize", ()), ("max_memory_allocated", ())]
+    calls.clear()
+    assert peak_memory_bytes(types.SimpleNamespace(type="neuron", index=5)) == 3 * 2**30
+    assert calls == [("synchronize", (5,)), ("max_memory_allocated", (5,))]
+    monkeypatch.setattr(torch, "neuron", types.SimpleNamespace(), raising=False)  # no statistics of its own
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *index: calls.append(("synchronize", index)))
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda *index: 7)
+    assert peak_memory_bytes("neuron") == 7 and calls[-1] == ("synchronize", ())
+
+    def no_allocator(*index):
+        raise RuntimeError("no device allocator registered")
+
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", no_allocator)
+    assert peak_memory_bytes("neuron") is None
+    assert peak_memory_bytes("cpu") > 2**20  # this process's peak resident set
