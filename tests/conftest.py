@@ -94,6 +94,8 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
 
         return run_ranks("neuron_parallel.train", nproc, [str(job_path)], env=env, timeout=timeout, cwd=ROOT)
     pool = _POOLS.get(nproc)
+    if pool is not None and pool.jobs_run >= JOBS_PER_POOL:
+        pool.close()
     if pool is None or not pool.alive:
         from neuron_parallel.testing.pool import RankPool
 
@@ -105,6 +107,10 @@ _NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 """Variables that do not make an environment another: pytest's own, and the one torch sets itself,
 to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
 cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too."""
+
+
+JOBS_PER_POOL = 12
+"""Jobs a pool of warm ranks trains before it is started anew (``RankPool.jobs_run``)."""
 
 
 def _environ(environ) -> dict:
@@ -128,10 +134,16 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def pytest_sessionfinish(session, exitstatus):
+def close_pools() -> None:
+    """End the warm ranks (an idle rank still costs CPU: gloo's connection threads, one per
+    process group its jobs made); the next ``torchrun`` starts them again."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pools()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -77,6 +77,13 @@ class RankPool:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def jobs_run(self) -> int:
+        """Jobs handed to the ranks so far. Each leaves the process groups of its mesh behind
+        (gloo keeps a connection thread per group, which costs CPU even idle), so a caller may
+        start a new pool after a number of them."""
+        return self._next
+
     def _done(self, n: int, start: int) -> dict | None:
         for line in self._out[start:]:
             at = line.find(RESULT_PREFIX)

@@ -71,6 +71,7 @@ def one_rank(tiny_world, tmp_path_factory):
     return read_metrics(base / "one")
 
 
+@pytest.mark.slow  # the layout's parity runs in the fast tier (tests/dist/test_parity.py, tp2-pp2)
 def test_tp2_pp2_on_four_ranks_equals_one_rank(tiny_world, tmp_path, one_rank):
     """tp and pp pinned, the rest (ZeRO-1, SP, microbatching, recompute) left to the planner."""
     out = _finish(

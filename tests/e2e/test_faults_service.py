@@ -4,7 +4,9 @@ SIGKILLed mid-training. Each test prints one line starting with ``FAULT`` with w
 cost (steps lost, seconds to detect, orphan processes, data lost, commits) and asserts it.
 
 One service for the module; the server-restart test runs last and stops it, to count what
-outlives the service.
+outlives the service. The three service faults run in the slow tier (CI runs it); the fast tier
+keeps the commit whose answer is lost, and the service's own retry and cancel tests
+(``test_service.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import signal
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from .service_helpers import (
     TERMINAL,
@@ -61,6 +65,7 @@ def _retry(svc, run_id: str) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_run_is_marked_crashed_and_retry_resumes_from_the_checkpoint(service):
     """SIGKILL the worker and the run's flow-run process after the step-4 checkpoint. torchrun and
     the ranks end with the flow-run process; serve sees the worker die, marks the run Crashed and
@@ -108,6 +113,7 @@ def test_worker_killed_mid_run_is_marked_crashed_and_retry_resumes_from_the_chec
     assert (out / "consolidated" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_upload_cut_mid_commit_is_retried_into_exactly_one_commit(service, tmp_path):
     """The Hub drops the connection halfway through the commit request. The upload retries and
     commits the model, the consolidated directory stays (the failed attempt does not roll the
@@ -196,6 +202,7 @@ def test_commit_made_but_its_answer_lost_is_not_made_twice(tmp_path):
     assert len(commits) == 2 and commits[0].commit_id == first.revision == again.revision, commits
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_is_restarted_and_the_run_finishes_once(service):
     """SIGKILL the Prefect server while the run trains. serve starts it again on the same port
     and database; the run's API calls wait for it, the run completes on its first attempt, each
