@@ -49,7 +49,7 @@ test-e2e: $(STAMP) chromium
 	$(BIN)/python -m pytest -q tests/e2e
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=20
 
 serve: $(STAMP) $(TINY)/model/config.json
 	$(BIN)/neuron-flows serve
