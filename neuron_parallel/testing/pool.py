@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from ..procs import die_with_parent, kill_tree
-from .ranks import RESULT_PREFIX, RanksResult, print_rank_result, ranks_command, structured_lines
+from ..procs import kill_tree
+from .ranks import RESULT_PREFIX, RanksResult, print_rank_result, start_ranks, structured_lines
 
 POLL_S = 0.02
 """How often an idle rank looks for its next job."""
@@ -46,18 +45,8 @@ class RankPool:
         self.nproc = nproc
         self.dir = Path(tempfile.mkdtemp(prefix=f"rank-pool-{nproc}-"))
         self.environ = dict(os.environ)
-        """This process's environment when the ranks started: theirs, but for the two below."""
-        env = {**self.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            ranks_command(__name__, nproc, [str(self.dir)], threads),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=die_with_parent(os.getpid()),
-        )
+        """This process's environment when the ranks started: theirs (``start_ranks``)."""
+        self.proc = start_ranks(__name__, nproc, [str(self.dir)], threads=threads, cwd=cwd)
         self._out: list[str] = []
         self._err: list[str] = []
         self._changed = threading.Condition()

@@ -116,6 +116,31 @@ def structured_lines(stdout: str) -> tuple[list[dict], list[dict]]:
     return events, results
 
 
+def start_ranks(
+    target: str | Path,
+    nproc: int,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen:
+    """Start torchrun with ``target`` on ``nproc`` local ranks (:func:`ranks_command`), both
+    output streams piped as text, in its own session, ending with this process. The ranks get
+    this process's environment, ``env`` over it, ``OMP_NUM_THREADS=threads`` and unbuffered
+    output."""
+    return subprocess.Popen(
+        ranks_command(target, nproc, args, threads),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()),
+    )
+
+
 def run_ranks(
     target: str | Path,
     nproc: int,
@@ -134,18 +159,8 @@ def run_ranks(
     ``returncode``. ``on_start(proc)``, if given, runs in a thread next to the run once torchrun
     has started (to attach a monitor to its process tree, or to kill it at a chosen moment);
     what it raises is raised here after the run."""
-    child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        ranks_command(target, nproc, args, threads),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env,
-        cwd=cwd,
-        start_new_session=True,
-        preexec_fn=die_with_parent(os.getpid()),
-    )
+    proc = start_ranks(target, nproc, args, env=env, threads=threads, cwd=cwd)
     watcher = _Watcher(on_start, proc) if on_start else None
     stdout, stderr, timed_out = _communicate(proc, timeout)
     if watcher:
