@@ -272,6 +272,14 @@ class CpuMonitor:
 # output
 
 
+def work_dir(workdir: Path | None, prefix: str) -> Path:
+    """A new scratch folder for one bench run, under ``workdir`` (``--workdir``; made if missing)
+    or the system's temporary folder."""
+    if workdir:
+        workdir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))
+
+
 def median(xs):
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")

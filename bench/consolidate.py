@@ -35,12 +35,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench_util import RESULTS, ROOT, parser, pick, print_table, proc_status, verdict, write_results
+from bench_util import RESULTS, ROOT, parser, pick, print_table, proc_status, verdict, work_dir, write_results
 from consolidate_methods import MiB, child_main
 from synthetic_checkpoint import PP, TP
 
@@ -264,10 +263,7 @@ def main() -> None:
         child_main(sys.argv[2:])
         return
     args = parse_args()
-
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="consolidate-bench-", dir=args.workdir))
+    work = work_dir(args.workdir, "consolidate-bench-")
     runner = Runner(work, cold=not args.warm)
     started = time.perf_counter()
     report: dict = {

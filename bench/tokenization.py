@@ -53,7 +53,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +67,7 @@ from bench_util import (
     run_child,
     thread_waits_ns,
     verdict,
+    work_dir,
     write_results,
 )
 
@@ -465,9 +465,7 @@ def main() -> None:
         child_main(sys.argv[2:])
         return
     args = parse_args()
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tokenization-bench-", dir=args.workdir))
+    work = work_dir(args.workdir, "tokenization-bench-")
     started = time.perf_counter()
     try:
         report = run(args, work)
