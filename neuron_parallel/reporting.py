@@ -66,14 +66,15 @@ def peak_memory_bytes(device) -> int | None:
         return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
     import torch
 
+    from .step_log import synchronize
+
     index = () if isinstance(device, str) or device.index is None else (device.index,)
     module = getattr(torch, kind, None)
     if module is not None and hasattr(module, "max_memory_allocated"):
-        if hasattr(module, "synchronize"):
-            module.synchronize(*index)
+        synchronize(device)
         return int(module.max_memory_allocated(*index))
     try:
-        torch.accelerator.synchronize(*index)
+        synchronize(device)
         return int(torch.accelerator.max_memory_allocated(*index))
     except (AttributeError, RuntimeError):  # no accelerator API, no such device, or no allocator registered
         return None

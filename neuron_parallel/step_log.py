@@ -18,19 +18,27 @@ from dataclasses import dataclass
 import torch
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait until ``device`` has run all the work queued on it: ``torch.accelerator`` where it
-    serves this device type, else the device's own module (``torch.cuda``, ``torch.neuron``);
-    nothing on CPU, whose operations run when called."""
-    if device.type == "cpu":
+def synchronize(device: torch.device | str) -> None:
+    """Wait until ``device`` (a ``torch.device``, or a device type such as ``"cuda"``) has run all
+    the work queued on it: ``torch.accelerator`` where it serves this device type, else the
+    device's own module (``torch.cuda``, ``torch.neuron``), else ``torch.accelerator`` (which
+    raises where nothing serves the device); nothing on CPU, whose operations run when called.
+    Without an index, the current device (``mesh.local_device``)."""
+    kind = device if isinstance(device, str) else device.type
+    if kind == "cpu":
         return
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
+    index = () if isinstance(device, str) or device.index is None else (device.index,)
+    accelerator = torch.accelerator
+    if accelerator.is_available():
         current = accelerator.current_accelerator()
-        if current is not None and current.type == device.type:
-            accelerator.synchronize(device)
+        if current is not None and current.type == kind:
+            accelerator.synchronize(*index)
             return
-    getattr(torch, device.type).synchronize()  # the rank's current device (``mesh.local_device``)
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(*index)
+        return
+    accelerator.synchronize(*index)
 
 
 @dataclass
