@@ -11,10 +11,10 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 # compileall: the project's own bytecode. An editable install leaves it to the first import, and
 # where PYTHONDONTWRITEBYTECODE is set every process (each rank of each run) would compile it anew.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]' -c .ci/constraints.txt
 	$(BIN)/python -m compileall -q neuron_parallel tasks flows
 	touch $(STAMP)
 
