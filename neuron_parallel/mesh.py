@@ -136,6 +136,17 @@ class ParallelDims:
             options[axis] = opts
         return options
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """From now on, collectives of the world group and of every axis group wait ``timeout_s``
+        for a peer (``launch.timeout_s`` after the first step's ``launch.first_step_timeout_s``).
+        gloo and nccl take the change; other backends keep the timeout they were created with
+        (torch changes it for those two only)."""
+        self.timeout_s = timeout_s
+        groups = [dist.group.WORLD] + [self.group(axis) for axis in ("dp", "pp", "tp")]
+        for group in groups:
+            if dist.get_backend(group) in ("gloo", "nccl"):
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+
     def axis(self, name: str) -> DeviceMesh:
         """The one-dimensional mesh of axis ``name`` (``"dp"``, ``"pp"`` or ``"tp"``), built once:
         ``mesh[name]`` builds a new ``DeviceMesh`` at every call."""

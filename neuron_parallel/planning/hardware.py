@@ -11,6 +11,11 @@ such.
 More kinds load from YAML (``load_hardware``; keys are the ``HardwareSpec`` field names, sizes
 in bytes or with a GiB/GB/TB suffix); ``get_hardware`` accepts a catalog name or a YAML path.
 The ``cpu`` kind describes this machine: one rank per core, memory from the OS.
+
+Trainium2 and later group physical NeuronCores into logical ones (LNC): one rank per logical
+core, so ranks per node, memory and peak per rank follow the LNC setting. ``get_hardware`` reads
+it from ``NEURON_LOGICAL_NC_CONFIG`` (:data:`LNC_ENV`), the Neuron runtime's own variable, as the
+ranks of the job will (``HardwareSpec.with_lnc``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ class HardwareSpec:
     """Fragmentation headroom added on top of the predicted tensor bytes."""
     planning_only: bool = False
     """True where this project cannot run (no TorchNeuron backend): plans are for reference."""
+    cores_per_chip: int = 0
+    """Physical NeuronCores per chip where they group into logical cores (Trainium2 and later);
+    0 where no LNC setting applies."""
+    lnc: int = 0
+    """Physical NeuronCores per logical core (rank) the other figures are for; 0 where no LNC
+    setting applies."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -73,6 +84,11 @@ class HardwareSpec:
             raise ValueError(
                 f"hardware {self.name}: peak_fp32_flops_per_rank must be >= 0 (0: as peak_flops_per_rank), "
                 f"got {self.peak_fp32_flops_per_rank}"
+            )
+        if bool(self.cores_per_chip) != bool(self.lnc) or (self.lnc and self.cores_per_chip % self.lnc):
+            raise ValueError(
+                f"hardware {self.name}: cores_per_chip ({self.cores_per_chip}) and lnc ({self.lnc}) go together, "
+                "lnc dividing cores_per_chip (e.g. 8 and 2 for Trainium2), or both 0"
             )
 
     def peak_flops(self, precision: str) -> float:
@@ -91,6 +107,54 @@ class HardwareSpec:
         if self.device == "cpu":
             memory = self.memory_per_rank * self.ranks_per_node // ranks_per_node
         return dataclasses.replace(self, ranks_per_node=ranks_per_node, memory_per_rank=memory)
+
+    def with_lnc(self, lnc: int) -> HardwareSpec:
+        """The same kind at another logical core size: ``lnc`` physical NeuronCores per rank. A rank
+        gets ``lnc`` cores' share of its chip's memory, peaks and links, and a node has as many
+        ranks as it has logical cores (trn2.48xlarge: 64 ranks of 24 GiB at LNC=2, 128 of 12 GiB
+        at LNC=1)."""
+        if not self.lnc:
+            raise ValueError(f"hardware {self.name} has no logical NeuronCore setting; unset {LNC_ENV}")
+        if lnc not in LNC_CHOICES or self.cores_per_chip % lnc:
+            raise ValueError(
+                f"{LNC_ENV}={lnc} is not a logical core size of {self.name}; use one of {list(LNC_CHOICES)}"
+            )
+        if lnc == self.lnc:
+            return self
+        ranks = self.ranks_per_node * self.lnc // lnc  # per chip: cores_per_chip / lnc
+        return dataclasses.replace(
+            self,
+            lnc=lnc,
+            ranks_per_node=ranks,
+            memory_per_rank=self.memory_per_rank * lnc // self.lnc,
+            peak_flops_per_rank=self.peak_flops_per_rank * lnc / self.lnc,
+            peak_fp32_flops_per_rank=self.peak_fp32_flops_per_rank * lnc / self.lnc,
+            intra_node_bw=self.intra_node_bw * lnc / self.lnc,
+        )
+
+
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+"""The Neuron runtime's logical core setting: how many physical NeuronCores form one logical
+core, the unit a rank runs on (AWS Neuron documentation, "Logical NeuronCore configuration",
+awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html).
+Graphs must be compiled for the LNC the runtime runs."""
+LNC_CHOICES = (1, 2)
+"""The LNC sizes the Neuron SDK supports (AWS Neuron documentation, "Using Logical NeuronCores
+(LNC) with NKI": an LNC degree of 1 or 2)."""
+DEFAULT_LNC = 2
+"""LNC on Trainium2 and later when ``NEURON_LOGICAL_NC_CONFIG`` is unset (the Neuron compiler's
+default there, AWS Neuron documentation, compiler error code NCC_EVRF066)."""
+
+
+def lnc_from_env(environ=None) -> int | None:
+    """The LNC ``NEURON_LOGICAL_NC_CONFIG`` sets, or None when it is unset; a value other than
+    1 or 2 is refused, naming the variable."""
+    raw = (os.environ if environ is None else environ).get(LNC_ENV, "").strip()
+    if not raw:
+        return None
+    if raw not in {str(c) for c in LNC_CHOICES}:
+        raise ValueError(f"{LNC_ENV}={raw!r} is not a logical core size; set it to one of {list(LNC_CHOICES)}")
+    return int(raw)
 
 
 # Trainium: per-chip dense bf16 and FP32 peaks and memory from AWS's architecture pages (Trainium:
@@ -121,16 +185,21 @@ def _trainium(**fields) -> HardwareSpec:
 def _trainium_16_chips(
     name: str, *, chip_flops: float, chip_fp32_flops: float, chip_memory: int, chip_link_bw: float, source: str
 ):
-    """A 16-chip Trainium node at LNC=2 (4 logical ranks per chip, 64 per node): each rank gets a
-    quarter of its chip's peaks, memory and NeuronLink rate; 3.2 Tbps of EFA per node."""
+    """A 16-chip Trainium node of 8 physical NeuronCores per chip, planned at ``DEFAULT_LNC``
+    (2: 4 logical ranks per chip, 64 per node): each rank gets its share of its chip's peaks,
+    memory and NeuronLink rate; 3.2 Tbps of EFA per node. ``HardwareSpec.with_lnc`` re-splits
+    the chip for another LNC."""
+    ranks_per_chip = 8 // DEFAULT_LNC
     return _trainium(
         name=name,
-        ranks_per_node=64,
-        memory_per_rank=chip_memory // 4,
-        peak_flops_per_rank=chip_flops / 4,
-        peak_fp32_flops_per_rank=chip_fp32_flops / 4,
-        intra_node_bw=chip_link_bw / 4,
+        ranks_per_node=16 * ranks_per_chip,
+        memory_per_rank=chip_memory // ranks_per_chip,
+        peak_flops_per_rank=chip_flops / ranks_per_chip,
+        peak_fp32_flops_per_rank=chip_fp32_flops / ranks_per_chip,
+        intra_node_bw=chip_link_bw / ranks_per_chip,
         inter_node_bw=3.2e12 / 8,
+        cores_per_chip=8,
+        lnc=DEFAULT_LNC,
         source=source,
     )
 
@@ -175,7 +244,8 @@ for _spec in (
         chip_fp32_flops=181e12,
         chip_memory=96 * GiB,
         chip_link_bw=1e12,
-        source="AWS Trainium pages (667 TFLOP/s bf16, 181 fp32, 96 GiB per chip, 4 ranks per chip at LNC=2); "
+        source="AWS Trainium pages (667 TFLOP/s bf16, 181 fp32, 96 GiB per chip); AWS Logical NeuronCore "
+        "configuration (8 physical NeuronCore-v3 per Trainium2 chip: 4 ranks per chip at LNC=2, 8 at LNC=1); "
         "AWS trn2-arch (NeuronLink-v3, EFAv3 3.2 Tbps)",
     ),
     _trainium_16_chips(
@@ -289,10 +359,12 @@ def hardware_names() -> list[str]:
     return sorted({*_CATALOG, *_yaml_kinds(), "cpu"})
 
 
-def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) -> HardwareSpec:
+def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None, lnc: int | None = None) -> HardwareSpec:
     """A catalog kind by name (or alias, or the stem of a YAML file in ``_yaml_dirs``), ``cpu``,
-    or a YAML file path; ``ranks_per_node``
-    overrides the kind's rank count (e.g. ``get_hardware("cpu", 2)``)."""
+    or a YAML file path. A kind with logical NeuronCores is re-split for ``lnc``, by default the
+    ``NEURON_LOGICAL_NC_CONFIG`` of this process (``lnc_from_env``), else its own; other kinds
+    ignore the variable. ``ranks_per_node`` then overrides the kind's rank count (e.g.
+    ``get_hardware("cpu", 2)``)."""
     if isinstance(kind, HardwareSpec):
         spec = kind
     elif kind == "cpu":
@@ -309,4 +381,8 @@ def get_hardware(kind: str | HardwareSpec, ranks_per_node: int | None = None) ->
                 "(see neuron_parallel.planning.hardware.load_hardware)"
             )
         spec = _CATALOG[name]
+    if spec.lnc:
+        spec = spec.with_lnc(lnc or lnc_from_env() or spec.lnc)
+    elif lnc is not None:
+        spec.with_lnc(lnc)  # raises: the kind has no logical cores
     return spec.with_ranks(ranks_per_node) if ranks_per_node else spec

@@ -49,7 +49,7 @@ def _check_deployments(client):
     # {{ $NEURON_FLOWS_ROOT }} filled in by `prefect deploy` from its environment.
     assert local.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
     assert trn2.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/neuron-flows"
-    assert trn2.job_variables == {"nnodes": 2}
+    assert trn2.job_variables == {"nnodes": 2, "logical_nc_config": "2"}
     assert local.parameters["config"]["train"]["max_steps"] == 40 and local.enforce_parameter_schema
     schema = local.parameter_openapi_schema
     assert schema["definitions"]["TrainSection"]["properties"]["max_steps"]["default"] == 100

@@ -24,6 +24,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_PATH = ROOT / "deployments" / "trn2" / "base-job-template.json"
 CLUSTER_PATH = ROOT / "deployments" / "trn2" / "cluster.yaml"
+DRA_PATH = ROOT / "deployments" / "trn2" / "dra.yaml"
+DOCKERFILE_PATH = ROOT / "deployments" / "trn2" / "Dockerfile"
 DEPLOYMENTS_PATH = ROOT / "deployments" / "prefect.yaml"
 
 # Keys the Prefect kubernetes worker reads from `job_configuration` (its default template has exactly these).
@@ -61,6 +63,7 @@ REQUIRED_VARIABLES = {
     "memory_request",
     "node_selector",
     "tolerations",
+    "logical_nc_config",
 }
 
 
@@ -118,6 +121,7 @@ def test_template_shape(template):
     assert props["shm_size"]["default"] == "64Gi"
     assert props["fsx_claim"]["default"] == "fsx-claim"
     assert props["output_mount"]["default"] == "/fsx"
+    assert props["logical_nc_config"]["default"] == "2" and props["logical_nc_config"]["enum"] == ["1", "2"]
     assert props["node_selector"]["default"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
     assert {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"} in (
         props["tolerations"]["default"]
@@ -503,3 +507,121 @@ def test_cluster_objects_are_valid_kubernetes_objects(cluster):
         "spec.publishNotReadyAdresses: V1ServiceSpec has no field 'publishNotReadyAdresses'"
         " (did you mean ['publishNotReadyAddresses']?)"
     ]
+
+
+# The trn2 pods' compile cache and logical NeuronCore setting, and what the planner makes of it.
+
+
+def trn2_parameters() -> dict:
+    (dep,) = [d for d in yaml.safe_load(DEPLOYMENTS_PATH.read_text())["deployments"] if d["name"] == "trn2"]
+    return dep["parameters"]["config"]
+
+
+def _mount_of(job: dict, path: str) -> tuple[dict, dict]:
+    """The volume mount of the pod's container that holds ``path`` (the longest prefix), and its volume."""
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = [
+        m for m in c["volumeMounts"] if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert mounts, f"{path} is on no mounted volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return mount, volume
+
+
+@pytest.mark.parametrize("lnc", [None, "1"], ids=["deployment", "lnc1"])
+def test_neff_cache_is_on_the_shared_volume_and_the_lnc_is_set(template, cluster, lnc):
+    from neuron_parallel.planning.hardware import LNC_ENV, get_hardware
+
+    values = {**trn2_job_variables(), **({"logical_nc_config": lnc} if lnc else {})}
+    job = worker_job(template, values)
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    cache = env["TORCH_NEURONX_NEFF_CACHE_DIR"]
+    mount, volume = _mount_of(job, cache)
+    assert volume["persistentVolumeClaim"]["claimName"] == cluster["PersistentVolumeClaim"]["metadata"]["name"]
+    assert cluster["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every pod, every node
+    assert cache != mount["mountPath"] and "$(" not in cache  # a folder of its own, the same in every pod
+    assert env[LNC_ENV] == (lnc or trn2_job_variables()["logical_nc_config"])
+    hw = get_hardware("trn2.48xlarge", lnc=int(env[LNC_ENV]))
+    assert hw.lnc == int(env[LNC_ENV]) and hw.ranks_per_node * hw.lnc == 128  # 16 chips × 8 physical cores
+    if lnc is None:  # what the deployment runs: its ranks are the planner's at its LNC
+        assert trn2_parameters()["launch"]["nproc_per_node"] == hw.ranks_per_node == 64
+
+
+def test_the_deployments_first_step_may_wait_longer_than_the_rest(template, monkeypatch):
+    """The flow's parameters as pod 0 loads them, with the rendezvous endpoint its environment names."""
+    from neuron_flows.tasks.config import FinetuneConfig
+
+    env = env_of(container(render(template)))
+    monkeypatch.setenv("NEURON_FLOWS_RDZV_ENDPOINT", env["NEURON_FLOWS_RDZV_ENDPOINT"]["value"])
+    launch = FinetuneConfig.model_validate(trn2_parameters()).to_launch()
+    assert launch.first_step_timeout_s == launch.start_timeout_s == 5400
+    assert launch.timeout_s < launch.start_timeout_s
+
+
+def test_no_resource_claim_unless_the_cluster_uses_one(template):
+    job = worker_job(template, trn2_job_variables())
+    pod = job["spec"]["template"]["spec"]
+    assert "resourceClaims" not in pod and "claims" not in pod["containers"][0]["resources"]
+
+
+def test_a_dra_claim_of_the_lnc_renders_a_valid_job(template):
+    """The job variables dra.yaml names: its claim template of the deployment's LNC, no device-plugin resource."""
+    templates = {d["metadata"]["name"]: d for d in yaml.safe_load_all(DRA_PATH.read_text()) if d}
+    lnc = trn2_job_variables()["logical_nc_config"]
+    name = f"trn2-neurons-lnc{lnc}"
+    values = {
+        **trn2_job_variables(),
+        "neuron_devices": "0",
+        "pod_resource_claims": [{"name": "neurons", "resourceClaimTemplateName": name}],
+        "container_resource_claims": [{"name": "neurons"}],
+    }
+    job = worker_job(template, values)
+    assert k8s_problems(job, allowed=PREFECT_POD_KEYS) == []
+    pod = job["spec"]["template"]["spec"]
+    (claim,) = pod["resourceClaims"]
+    assert pod["containers"][0]["resources"]["claims"] == [{"name": claim["name"]}]
+    assert pod["containers"][0]["resources"]["limits"]["aws.amazon.com/neuron"] == "0"
+    (config,) = templates[claim["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["config"]
+    assert str(config["opaque"]["parameters"]["logicalNeuronCore"]) == lnc
+
+
+def test_dra_claim_templates_are_valid_and_name_their_lnc():
+    docs = [d for d in yaml.safe_load_all(DRA_PATH.read_text()) if d]
+    assert {d["metadata"]["name"] for d in docs} == {"trn2-neurons-lnc1", "trn2-neurons-lnc2"}
+    for doc in docs:
+        assert k8s_problems(doc) == [], doc["metadata"]["name"]
+        assert doc["metadata"]["namespace"] == "neuron-flows"
+        (config,) = doc["spec"]["spec"]["devices"]["config"]
+        assert doc["metadata"]["name"].endswith(f"lnc{config['opaque']['parameters']['logicalNeuronCore']}")
+        (request,) = doc["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["allocationMode"] == "All" and config["requests"] == [request["name"]]
+
+
+def _dockerfile_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE_PATH.read_text(), flags=re.M))
+
+
+def test_the_images_torch_and_torch_neuronx_are_named_once_and_pair():
+    """The Dockerfile names both versions; they satisfy the project's requirements and pair."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from neuron_parallel.doctor import neuronx_pairs
+
+    args = _dockerfile_args()
+    torch_version, neuronx = args["TORCH_VERSION"], args["TORCH_NEURONX_VERSION"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    (neuronx_req,) = [Requirement(r) for r in project["optional-dependencies"]["neuron"]]
+    assert neuronx_req.name == "torch-neuronx"
+    assert Version(torch_version) in torch_req.specifier
+    assert Version(neuronx.replace("*", "0")) in neuronx_req.specifier
+    assert neuronx_pairs(torch_version, neuronx) and not neuronx_pairs("2.14.0", neuronx)
+    text = DOCKERFILE_PATH.read_text()
+    assert text.count("2.13") == 2 and '"torch==${TORCH_VERSION}"' in text  # nowhere else in the file
+    assert "/opt/neuron-flows" in text and "/opt/neuron-flows" in DEPLOYMENTS_PATH.read_text()
