@@ -43,6 +43,7 @@ from pathlib import Path
 
 from bench_util import RESULTS, parser, print_table, run_ranks_child, verdict, write_results
 
+from neuron_parallel.checkpoint.output import claim_run_dir
 from neuron_parallel.memprof import PHASE_PREFIX, TensorMemoryProfile, check_method
 from neuron_parallel.planning.memory import job_rank_memory
 from neuron_parallel.testing.ranks import print_rank_result
@@ -157,6 +158,7 @@ def run_case(name: str, worlds: dict, work: Path, steps: int) -> dict:
             lora=lora,
         ),
     )
+    claim_run_dir(run_dir)  # a run writes only into a folder the tool claimed, as the launcher does
     (run_dir / "job.json").write_text(job.to_json())
     t0 = time.perf_counter()
     args = ["--worker", str(run_dir / "job.json")]

@@ -16,6 +16,8 @@ from pathlib import Path
 # bench/ is on sys.path (the running script's folder)
 from bench_util import log, run_child, run_ranks_child
 
+from neuron_parallel.checkpoint.output import claim_run_dir
+
 # A wider tiny Llama than the test default (hidden 128), so matmuls dominate the step.
 MODEL_SHAPE = dict(
     hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
@@ -87,7 +89,7 @@ def write_job(
             log_every=1,
         ),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)  # a run writes only into a folder the tool claimed, as the launcher does
     path = run_dir / "job.json"
     path.write_text(job.to_json())
     return path

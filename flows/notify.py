@@ -5,11 +5,15 @@
   step and its loss, the newest complete checkpoint, and the error. The UI shows it on the run's
   page; the notification below quotes it. Prefect's flow-run events carry the state message, never
   the run directory, so the flow run is the one place that can write these facts.
+* In the flow run, :func:`not_promoted_state`: when the evaluate step's gate keeps the model from
+  being published, the run ends Completed in the state named ``NotPromoted``, the reason as its
+  message.
 * On the server, :func:`sync_failure_notifications`: a Prefect automation whose trigger is the
-  ``prefect.flow-run.Failed`` or ``prefect.flow-run.Crashed`` event of a run of a deployment of
-  the fine-tuning flow, and whose action posts a message (run name, state message, run page, how to
-  retry) through a ``CustomWebhookNotificationBlock`` to the webhook at ``NEURON_FLOWS_NOTIFY_WEBHOOK``.
-  The server renders the message with its own templates (``flow_run``, ``flow``, ``deployment``).
+  ``prefect.flow-run.Failed``, ``prefect.flow-run.Crashed`` or ``prefect.flow-run.NotPromoted``
+  event of a run of a deployment of the fine-tuning flow, and whose action posts a message (run
+  name, state message, run page, how to retry) through a ``CustomWebhookNotificationBlock`` to the
+  webhook at ``NEURON_FLOWS_NOTIFY_WEBHOOK``. The server renders the message with its own
+  templates (``flow_run``, ``flow``, ``deployment``).
 
 A Crashed run's process ended without reporting (killed, its node lost): its message is the
 reason Prefect or ``neuron-flows serve`` recorded, and its last step and checkpoint are in its logs
@@ -22,7 +26,8 @@ import os
 from pathlib import Path
 
 WEBHOOK_ENV = "NEURON_FLOWS_NOTIFY_WEBHOOK"
-"""The webhook URL failure notifications are posted to; unset or empty: no notifications."""
+"""The webhook URL failure notifications are posted to (``https://``, or ``http://`` to this machine);
+unset or empty: no notifications."""
 AUTOMATION_NAME = "neuron-flows: fine-tuning run failed"
 BLOCK_NAME = "neuron-flows-failures"
 
@@ -80,6 +85,38 @@ def failed_state(run_dir: str | Path, exc: Exception):
     return Failed(message=failure_message(run_dir, exc, failed_step(flow_run.get_id())), data=exc)
 
 
+NOT_PROMOTED = "NotPromoted"
+"""The name of the Completed state of a run whose model was not published (the evaluate step's gate)."""
+
+
+def not_promoted_state(summary: dict, reason: str):
+    """What a fine-tuning flow returns when the evaluate step's gate was not met: a Completed state
+    named :data:`NOT_PROMOTED` with ``reason`` as its message and the run's ``summary`` as its
+    data (what a direct call of the flow returns)."""
+    from prefect.states import Completed
+
+    return Completed(name=NOT_PROMOTED, message=reason, data=summary)
+
+
+def webhook_url(value: str | None = None) -> str | None:
+    """The webhook failure notifications are posted to: ``value``, default
+    ``$NEURON_FLOWS_NOTIFY_WEBHOOK``; None when unset or empty. The URL is the webhook's
+    credential, so it must be ``https://`` (``http://`` only to this machine), and a refusal
+    (``ValueError``, naming the variable and the fix) shows it as ``redact_url`` does."""
+    from neuron_parallel.urls import encrypted_or_local, redact_url
+
+    url = (os.environ.get(WEBHOOK_ENV, "") if value is None else value).strip()
+    if not url:
+        return None
+    if not encrypted_or_local(url):
+        raise ValueError(
+            f"{WEBHOOK_ENV}={redact_url(url)} is not an https:// URL; the webhook's URL is its credential and would "
+            "travel unencrypted. Give its https:// address (http:// only to a receiver on this machine: 127.0.0.1, "
+            f"localhost or ::1), or unset {WEBHOOK_ENV}"
+        )
+    return url
+
+
 def _webhook_block(url: str):
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
@@ -106,9 +143,10 @@ def _automation(block_id, flow_names: list[str]):
 
     return Automation(
         name=AUTOMATION_NAME,
-        description=f"Posts to ${WEBHOOK_ENV} when a run of a fine-tuning deployment fails or crashes.",
+        description=f"Posts to ${WEBHOOK_ENV} when a run of a fine-tuning deployment fails, crashes or is not "
+        "promoted (its model kept from the Hub by the evaluation gate).",
         trigger=EventTrigger(
-            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed", f"prefect.flow-run.{NOT_PROMOTED}"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
             # Every related resource spec must match: a run of one of these flows, from a deployment.
             match_related=[
@@ -130,9 +168,7 @@ async def sync_failure_notifications(flow_names: list[str], webhook: str | None 
     an earlier registration made, so notifications are off. Returns whether they are on."""
     from prefect.automations import Automation
 
-    webhook = os.environ.get(WEBHOOK_ENV, "").strip() if webhook is None else webhook.strip()
-    if webhook and not webhook.startswith(("http://", "https://")):
-        raise ValueError(f"{WEBHOOK_ENV}={webhook!r} is not a URL: give the webhook's http(s):// address, or unset it")
+    webhook = webhook_url(webhook)
     try:
         existing = await Automation.aread(name=AUTOMATION_NAME)
     except ValueError:  # Prefect's answer for no automation of that name

@@ -45,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from neuron_flows.flows.notify import WEBHOOK_ENV
-from neuron_parallel.procs import alive, die_with_parent, kill_tree, processes
+from neuron_parallel.procs import die_with_parent, end_processes, kill_tree, processes, signal_group, start_time
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ROOT / "deployments" / "prefect.yaml"
@@ -186,6 +186,7 @@ class _Child:
     def __init__(self, name: str, cmd: list[str], env: dict) -> None:
         self.name, self.cmd, self.env = name, cmd, env
         self.proc = _start(cmd, env)
+        self.started = start_time(self.proc.pid)  # not reaped yet: /proc has it, even if it exited
         self._restarts: deque[float] = deque()
 
     def restart(self) -> bool:
@@ -197,51 +198,43 @@ class _Child:
         if len(self._restarts) >= MAX_RESTARTS:
             return False
         self._restarts.append(now)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever the dead one left in its process group
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc.pid, self.started, signal.SIGKILL)  # what the dead one left in its group, if any
         self.proc = _start(self.cmd, self.env)
+        self.started = start_time(self.proc.pid)
         return True
 
 
-def _runs_processes(serve_id: str | None = None) -> dict[str, list[tuple[int, str]]]:
-    """Live processes of flow runs by run id (the flow-run process, torchrun, the ranks); with
-    ``serve_id``, only those started under that serve."""
-    runs: dict[str, list[tuple[int, str]]] = {}
-    for pid, cmd, env in processes():
+def _runs_processes(serve_id: str | None = None) -> dict[str, list[tuple[int, int, str]]]:
+    """Live processes of flow runs by run id (the flow-run process, torchrun, the ranks), each as
+    (pid, start time, command line); with ``serve_id``, only those started under that serve."""
+    runs: dict[str, list[tuple[int, int, str]]] = {}
+    for pid, started, cmd, env in processes():
         if RUN_ID_ENV in env and (serve_id is None or env.get(SERVE_ID_ENV) == serve_id):
-            runs.setdefault(env[RUN_ID_ENV], []).append((pid, cmd))
+            runs.setdefault(env[RUN_ID_ENV], []).append((pid, started, cmd))
     return runs
 
 
-def _has_flow_run_process(procs: list[tuple[int, str]]) -> bool:
+def _has_flow_run_process(procs: list[tuple[int, int, str]]) -> bool:
     """Whether a run's processes include its flow-run process: the Prefect process the worker
     started (``python -m prefect.engine``, first a workspace supervisor that execs into it), as
     opposed to torchrun and the ranks it starts."""
-    return any(re.search(r"(^|\s)-m prefect[.\s]|/prefect\s", cmd) for _, cmd in procs)
-
-
-def _end(pids: list[int], grace_s: float = 5.0) -> None:
-    """SIGTERM (torchrun passes it on to the ranks), then SIGKILL what is left after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
-            time.sleep(0.1)
+    return any(re.search(r"(^|\s)-m prefect[.\s]|/prefect\s", cmd) for *_, cmd in procs)
 
 
 def end_orphans(serve_id: str) -> list[int]:
     """End the processes of flow runs whose flow-run process is gone: the torchrun and ranks that a
     killed flow-run process leaves behind, which would otherwise go on writing into the run
-    directory a retry resumes from. Returns their pids."""
-    pids = [pid for procs in _runs_processes(serve_id).values() if not _has_flow_run_process(procs) for pid, _ in procs]
-    _end(pids)
-    return pids
+    directory a retry resumes from. SIGTERM first (torchrun passes it on to the ranks), SIGKILL
+    to what is left 5 s later, each only while its pid still has the start time it was found
+    with (``procs.end_processes``). Returns their pids."""
+    found = [
+        (pid, started)
+        for procs in _runs_processes(serve_id).values()
+        if not _has_flow_run_process(procs)
+        for pid, started, _ in procs
+    ]
+    end_processes(found)
+    return [pid for pid, _ in found]
 
 
 async def crash_lost_runs(pool: str = POOL) -> list[str]:
@@ -376,7 +369,7 @@ def serve(host: str, port: int, home: Path, worker: bool = True) -> int:
     finally:
         _stop([child.proc for child in children])
         # Flow runs the worker started are in sessions of their own: end them and what they started.
-        _end([pid for pid, _, env in processes() if env.get(SERVE_ID_ENV) == serve_id])
+        end_processes([(pid, started) for pid, started, _, env in processes() if env.get(SERVE_ID_ENV) == serve_id])
         print("stopped", flush=True)
 
 

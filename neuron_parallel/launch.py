@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint.output import claim_run_dir
 from .config import JobConfig, LaunchConfig
 from .procs import die_with_parent, kill_tree
 from .run_files import JOB_FILE
@@ -107,12 +108,12 @@ def run_torchrun(
     on_line: Callable[[str], None] | None = None,
     env: dict[str, str] | None = None,
 ) -> TrainResult:
-    """Write ``job.json`` into the run directory, run torchrun to completion and return what
+    """Write ``job.json`` into the run directory (claimed first: new, empty or created by
+    neuron-flows, see ``checkpoint/output.py``), run torchrun to completion and return what
     the run reports. Raises ``TrainingFailed`` on a non-zero exit. Ranks that
     :func:`start_ready_ranks` started with the same ``launch`` and ``env`` get the job, if they
     are still waiting for one; otherwise torchrun starts here."""
-    run_dir = Path(job.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = claim_run_dir(job.output_dir)  # new, empty or this tool's: refused before job.json is written
     job_path = run_dir / JOB_FILE
     # Atomic: on a shared run directory every node's launcher writes the same job, while ranks
     # that already started may be reading it.
@@ -122,7 +123,7 @@ def run_torchrun(
     tail: deque[str] = deque(maxlen=40)
     state = {"final_step": 0, "resumed_from_step": 0, "last_metrics": {}}
     ready = _take_ready_ranks(launch, env)
-    proc = ready.give(job) if ready is not None else _start_torchrun(torchrun_command(job_path, launch), launch, env)
+    proc = ready.give(job) if ready is not None else start_torchrun(torchrun_command(job_path, launch), launch, env)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -156,7 +157,7 @@ def run_torchrun(
     return TrainResult(run_dir=str(run_dir), **state)
 
 
-def _start_torchrun(cmd: list[str], launch: LaunchConfig, env: dict[str, str] | None) -> subprocess.Popen:
+def start_torchrun(cmd: list[str], launch: LaunchConfig, env: dict[str, str] | None) -> subprocess.Popen:
     """torchrun in a session of its own, its output (ranks' included) merged on one pipe."""
     child_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(launch.omp_num_threads), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
@@ -179,7 +180,7 @@ class ReadyRanks:
         self.launch, self.env = launch, env
         self.dir = Path(tempfile.mkdtemp(prefix="neuron-flows-ranks-"))
         self.job_path = self.dir / JOB_FILE
-        self.proc = _start_torchrun(torchrun_command(self.job_path, launch, await_job=True), launch, env)
+        self.proc = start_torchrun(torchrun_command(self.job_path, launch, await_job=True), launch, env)
 
     def give(self, job: JobConfig) -> subprocess.Popen:
         """Hand ``job`` to the waiting ranks (written atomically: a rank never reads half a file);

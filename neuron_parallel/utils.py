@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -29,6 +31,37 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON file read from a checkpoint, a model folder or an import (a checkpoint's
+manifest, a Hugging Face weight index, a ``config.json``, optimum-neuron metadata, a trainer state):
+64 MiB. Generous (the manifest of a 70B model split tp=32 × pp=8 with its optimizer state is a few
+MiB; a weight index or a config, kilobytes), while a crafted file cannot make a reader parse
+gigabytes."""
+
+
+def read_json(path: str | Path, limit: int = MAX_JSON_BYTES) -> object:
+    """The JSON value the file ``path`` holds. Refused with a ``ValueError`` naming the file when it
+    is not a regular file (a FIFO or a device is never read), is larger than ``limit`` bytes, or is
+    not UTF-8 JSON; a missing file raises ``FileNotFoundError`` as ``open`` does."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file; a JSON file is expected there")
+        # Never more than one byte past the limit, even of a file that grows meanwhile.
+        data = f.read(limit + 1) if info.st_size <= limit else b""
+    if info.st_size > limit or len(data) > limit:
+        raise ValueError(
+            f"{path}: {max(info.st_size, len(data))} bytes, more than the {limit} bytes a JSON file of a "
+            "checkpoint or model may have; it is not a file this tool reads, or a damaged one: point at "
+            "the intended checkpoint or model folder"
+        )
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or not the one expected") from None
 
 
 def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None = None) -> list[range]:

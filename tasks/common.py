@@ -5,15 +5,40 @@ import os
 
 from prefect.cache_policies import DEFAULT
 
+from .config import ALLOWED_HUB_ENDPOINTS_ENV
+
 
 def hub_token(config) -> str | None:
     """The Hub token from the Prefect Secret block ``hub.token_secret`` names, else HF_TOKEN. Never
-    a flow parameter, never logged."""
+    a flow parameter, never logged. Refused while the run's own job variables set where the token
+    may go (:func:`check_token_destinations`)."""
+    check_token_destinations()
     if config.hub.token_secret:
         from prefect.blocks.system import Secret
 
         return Secret.load(config.hub.token_secret).get()
     return os.environ.get("HF_TOKEN")
+
+
+TOKEN_DESTINATION_ENV = (ALLOWED_HUB_ENDPOINTS_ENV, "HF_ENDPOINT")
+"""The environment that decides where the Hub token may be sent (``tasks.config``): the worker's
+and the deployment's to set, never a single run's."""
+
+
+def check_token_destinations() -> None:
+    """Refuse (``ValueError``) a flow run whose own job variables put :data:`TOKEN_DESTINATION_ENV`
+    into its environment: whoever starts a run may set job variables, and the worker passes their
+    ``env`` to the run's process, where ``hub.endpoint`` is checked against it."""
+    from prefect.runtime import flow_run
+
+    env = (flow_run.get_job_variables() or {}).get("env") or {}
+    named = sorted(set(env) & set(TOKEN_DESTINATION_ENV))
+    if named:
+        raise ValueError(
+            f"this run's job variables set {' and '.join(named)}: where the Hub token may go is decided by the "
+            "operator, in the environment of the worker (or the deployment's job variables); start the run "
+            "without them"
+        )
 
 
 def _retry_unless_bad_input(task, task_run, state) -> bool:

@@ -1,12 +1,12 @@
 """The consolidate step as a Prefect task (``tasks.steps.consolidate``), in the flow's transaction
-with the upload: its rollback removes what it wrote when the upload fails."""
-
-import shutil
+with the upload: the model is written beside ``output.consolidated_dir`` and put in place by the
+upload once published; if the upload fails, the rollback drops it, and an earlier run's model
+there stays as it was."""
 
 from prefect import get_run_logger, task
 from prefect.transactions import get_transaction
 
-from neuron_parallel.checkpoint.output import is_ours
+from neuron_parallel.checkpoint.output import discard_staged
 
 from . import steps
 from .common import STEP_POLICY
@@ -23,9 +23,11 @@ def consolidate(config: FinetuneConfig, checkpoint: str) -> str:
 
 
 @consolidate.on_rollback
-def _remove_consolidated(txn) -> None:
-    """A later step of the transaction (the upload) failed: remove the directory, so that what
-    is on disk never claims to be a published model and a retry consolidates afresh."""
+def _discard_staged(txn) -> None:
+    """A later step of the transaction (the upload) failed: drop the staged model (a folder
+    neuron-flows created, nothing else), so that what is on disk never claims to be a published
+    model and a retry consolidates afresh; the model already at ``output.consolidated_dir`` (an
+    earlier run's) is never touched, and put back if the swap was cut short."""
     path = txn.get("model_dir", None)
-    if path and is_ours(path):  # only a directory neuron-flows wrote (never a folder of the user's)
-        shutil.rmtree(path)
+    if path:
+        discard_staged(path)

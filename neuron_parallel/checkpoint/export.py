@@ -14,10 +14,10 @@ from typing import Literal
 
 from .adapter import AdapterSource, MergedSource, base_model_dir, open_adapter_checkpoint, peft_config
 from .consolidate import open_source
-from .format import Manifest, resolve_checkpoint
+from .format import Manifest, resolve_checkpoint, user_model_files
 from .hf_dir import write_adapter_dir, write_hf_dir
 from .neuronx_layout import find_neuronx_checkpoint
-from .output import is_ours
+from .output import check_output_dir, is_ours
 
 __all__ = ["KINDS", "MERGED_SUBDIR", "Kind", "export_checkpoint", "is_lora_checkpoint"]
 
@@ -43,7 +43,9 @@ def export_checkpoint(
     newest complete checkpoint, a checkpoint dir, or its ``shards/`` folder) or an optimum-neuron
     / neuronx-distributed one (its checkpoint dir or ``shards/``). Refuses a checkpoint that fails
     quick validation or whose files changed since they were written, before anything in
-    ``output`` is replaced.
+    ``output`` is replaced. ``output`` (and, for ``"both"``, its ``merged/``) must be new, empty
+    or an earlier neuron-flows output (``output.py``); anything else is refused before the
+    checkpoint is read and before a byte is written.
 
     ``kind``: ``"full"``, the whole fine-tuned model of a full fine-tuning checkpoint; for a LoRA
     checkpoint ``"adapter"`` (a peft adapter directory), ``"merged"`` (the base model with the
@@ -56,7 +58,12 @@ def export_checkpoint(
     names its base model (default: the base model directory the manifest records)."""
     if kind not in (None, *KINDS):
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    check_output_dir(output)
+    if kind == "both":
+        check_output_dir(Path(output) / MERGED_SUBDIR)
     formats = {"fmt": fmt, "max_shard_size": max_shard_size}
+    if model_dir is not None:  # its files are copied: one linking out of the folder is refused before any write
+        user_model_files(model_dir)
     if not is_lora_checkpoint(checkpoint):
         return _export_full(checkpoint, output, kind, base_dir, model_dir, formats)
     _refuse_lora_options(checkpoint, kind, base_dir)
@@ -72,7 +79,7 @@ def export_checkpoint(
         if merged is not None:
             write_hf_dir(merged, out / MERGED_SUBDIR, **formats)
     if kind != "both" and is_ours(out / MERGED_SUBDIR):
-        shutil.rmtree(out / MERGED_SUBDIR)  # an earlier export's, of kind both
+        shutil.rmtree(out / MERGED_SUBDIR)  # an earlier export's, of kind both (it carries the marker)
     return out
 
 

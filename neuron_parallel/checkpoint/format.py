@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ..utils import sha256_file
+from ..utils import read_json, sha256_file
 
 FORMAT_NAME = "neuron-flows-checkpoint"
 FORMAT_VERSION = 1
@@ -57,9 +58,11 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 def confined(root: str | Path, rel: Any, what: str, *, also: Iterable[Path] = ()) -> Path:
     """``root / rel``, refusing a path that could lead out of ``root``: ``rel`` must be a relative
-    path (``/``-separated) without ``..`` components, and what it resolves to, symbolic links
-    followed, must lie inside ``root`` (or one of the folders ``also`` names). ``what`` says where
-    ``rel`` was read (``"<manifest>: files entry"``), for the ``ValueError``."""
+    path (``/``-separated) without ``..`` components, and what it resolves to, every symbolic link
+    on the way followed to its end, must lie inside ``root`` resolved the same way (or inside one
+    of the folders ``also`` names, resolved: see :func:`hub_blobs` for the one such folder). The
+    one rule for every file read from a folder a user or a file names. ``what`` says where ``rel``
+    was read (``"<manifest>: files entry"``), for the ``ValueError``."""
     allowed = "a relative path inside the folder, without '..' components or links that lead out of it"
     if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
         raise ValueError(f"{what} {rel!r} is not a file name; only {allowed} is allowed")
@@ -67,18 +70,51 @@ def confined(root: str | Path, rel: Any, what: str, *, also: Iterable[Path] = ()
     if pure.is_absolute() or PureWindowsPath(rel).drive or ".." in pure.parts:
         raise ValueError(f"{what} {rel!r} points outside {root}; only {allowed} is allowed")
     path = Path(root) / rel
-    target = path.resolve()
+    target = Path(os.path.realpath(path))
     for folder in (Path(root), *also):
-        if target.is_relative_to(folder.resolve()):
+        if target.is_relative_to(os.path.realpath(folder)):
             return path
-    raise ValueError(f"{what} {rel!r} resolves to {target}, outside {root}; only {allowed} is allowed")
+    raise ValueError(
+        f"{what} {rel!r} resolves to {target}, outside {root}; only {allowed} is allowed: copy the file into "
+        f"{root} in place of the link"
+    )
+
+
+def hub_blobs(model_dir: str | Path) -> tuple[Path, ...]:
+    """The folder besides ``model_dir`` that its files may link into: for a Hugging Face hub cache
+    snapshot (``<repo>/snapshots/<revision>/``), whose files are links into ``<repo>/blobs/``, that
+    folder; nothing for any other folder. ``model_dir`` is resolved first (a link to a snapshot is
+    one). ``blobs`` must be a folder inside ``<repo>``, links followed: one that leads elsewhere
+    (``blobs -> /``) would let a link reach any file, and is refused with a ``ValueError``."""
+    real = Path(os.path.realpath(model_dir))
+    repo = real.parent.parent
+    blobs = repo / "blobs"
+    if real.parent.name != "snapshots" or not blobs.is_dir():
+        return ()
+    target = Path(os.path.realpath(blobs))
+    if target == repo or not target.is_relative_to(repo):
+        raise ValueError(
+            f"{blobs} leads to {target}, outside {repo}: the files of a Hugging Face cache snapshot may link "
+            f"only into the blobs folder of their own repo; download the model again, or copy the files of "
+            f"{model_dir} into a plain folder and point at that"
+        )
+    return (blobs,)
+
+
+def user_model_files(model_dir: str | Path, names: Iterable[str] = HF_FILES) -> list[Path]:
+    """The files ``names`` present in the user's model directory ``model_dir`` (copied into
+    checkpoints and exports, and so uploaded): none may be a link that leads out of it, or, in a
+    Hugging Face cache snapshot, out of its repo's ``blobs/`` (:func:`confined`)."""
+    d = Path(model_dir)
+    also = hub_blobs(d)
+    return [p for n in names if (p := confined(d, n, f"{d}: model file", also=also)).is_file()]
 
 
 def model_files(ckpt: Path, model_dir: str | Path | None, names: Iterable[str] = HF_FILES) -> list[Path]:
     """The files ``names`` present in ``model_dir`` (the user's model directory), else in the
-    checkpoint folder ``ckpt``, where none may lead out of it."""
+    checkpoint folder ``ckpt``; none may lead out of its folder."""
     if model_dir is not None:
-        return [Path(model_dir) / n for n in names if (Path(model_dir) / n).is_file()]
+        return user_model_files(model_dir, names)
     return [p for n in names if (p := confined(ckpt, n, f"{ckpt / MANIFEST}: model file")).is_file()]
 
 
@@ -134,9 +170,10 @@ class Manifest:
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Manifest:
         path = Path(ckpt_dir) / MANIFEST
-        raw = json.loads(path.read_text())
-        if raw.get("format") != FORMAT_NAME:
-            raise ValueError(f"{path} is not a {FORMAT_NAME} manifest (format={raw.get('format')!r})")
+        raw = read_json(path)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise ValueError(f"{path} is not a {FORMAT_NAME} manifest (format={found!r})")
         if raw.get("format_version", 0) > FORMAT_VERSION:
             raise ValueError(
                 f"{path} has format_version {raw['format_version']}, newer than this release reads "
@@ -162,14 +199,16 @@ class Manifest:
 
 
 def _check_paths(path: Path, files: Any, tensors: dict[str, TensorEntry]) -> None:
-    """Every file a manifest names (``files`` and each piece's ``file``) stays inside its folder."""
+    """Every file a manifest names (``files`` and each piece's ``file``) stays inside its folder;
+    each name is resolved once, however many pieces it holds."""
     if not isinstance(files, dict):
         raise ValueError(f"{path}: 'files' is a {type(files).__name__}, not a mapping of file name → size and sha256")
     for rel in files:
         confined(path.parent, rel, f"{path}: files entry")
     for name, entry in tensors.items():
         for piece in entry.pieces:
-            confined(path.parent, piece.file, f"{path}: tensor {name} piece file")
+            if not (isinstance(piece.file, str) and piece.file in files):
+                confined(path.parent, piece.file, f"{path}: tensor {name} piece file")
 
 
 def checkpoint_step(path: Path) -> int | None:

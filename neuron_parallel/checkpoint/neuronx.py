@@ -29,14 +29,14 @@ permutation of the GQA QKV layer) follow the metadata the trainer wrote.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .format import HF_FILES, confined
+from ..utils import read_json
+from .format import HF_FILES, confined, user_model_files
 from .neuronx_layout import (
     _GQA,
     _METADATA,
@@ -84,7 +84,7 @@ class NeuronxCheckpoint:
         files_dir, problem = _find_config(self.ckpt_dir, model_dir)
         self._files_dir = files_dir
         self._users_dir = model_dir is not None
-        self.model_config: dict[str, Any] = json.loads((files_dir / "config.json").read_text()) if files_dir else {}
+        self.model_config: dict[str, Any] = read_json(files_dir / "config.json") if files_dir else {}
         if problem:
             self._problems.append(problem)
         self.layout, self.xser, files = _locate_files(self.shards)
@@ -110,7 +110,7 @@ class NeuronxCheckpoint:
         if d is None:
             return []
         if self._users_dir:  # the user's own model directory
-            return [d / n for n in HF_FILES if (d / n).is_file()]
+            return user_model_files(d)
         return [p for n in HF_FILES if (p := confined(d, n, f"{d}: model file")).is_file()]
 
     # -- validation -----------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class NeuronxCheckpoint:
         for pp_rank, path in found.items():
             try:
                 confined(self.shards, path.name, f"{self.shards}: metadata file")
-                metadata[pp_rank] = json.loads(path.read_text()) if path.suffix == ".json" else _load(path, mmap=False)
+                metadata[pp_rank] = read_json(path) if path.suffix == ".json" else _load(path, mmap=False)
             except Exception as e:  # a damaged file is a finding, not a crash
                 self._problems.append(f"{path}: unreadable ({e})")
         return metadata

@@ -35,11 +35,10 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..parallel.dtensor import local_view
-from ..utils import atomic_write, fsync_path, sha256_file
+from ..utils import atomic_write, fsync_path, read_json, sha256_file
 from .dtypes import dtype_name
 from .format import (
     COMPLETE,
-    HF_FILES,
     MANIFEST,
     TRAINER_STATE,
     Manifest,
@@ -50,7 +49,9 @@ from .format import (
     list_checkpoints,
     model_file,
     optim_file,
+    user_model_files,
 )
+from .output import check_output_dir, claim_output_dir
 
 __all__ = ["CheckpointSaveFailed", "CheckpointWriter", "sha256_file"]
 
@@ -125,9 +126,11 @@ class CheckpointWriter:
     def remove_partial(self) -> list[str]:
         """On rank 0, delete the ``checkpoint-<step>.tmp`` folders of saves cut short (they never
         count, and a save of the same step would replace them); the names removed. Call it
-        before the first save."""
+        before the first save. A run directory neuron-flows did not create is refused
+        (``output.py``): its folders may be another tool's."""
         if self.rank != 0 or not self.run.is_dir():
             return []
+        check_output_dir(self.run)
         removed = []
         for tmp in sorted(self.run.glob("checkpoint-*.tmp")):
             if tmp.is_dir() and checkpoint_step(tmp.with_suffix("")) is not None:
@@ -159,9 +162,10 @@ class CheckpointWriter:
         error = None
         if self.rank == 0:
             try:
+                claim_output_dir(self.run)  # never a folder of another tool's checkpoints
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-            except OSError as e:
+            except (OSError, ValueError) as e:
                 error = e
         self._agree(error, pending=False)  # also the barrier: tmp exists before any rank writes
         tp, pp, dp = self.coords["tp_rank"], self.coords["pp_rank"], self.coords["dp_rank"]
@@ -319,12 +323,11 @@ class CheckpointWriter:
                 entry = tensors.setdefault(name, TensorEntry(shape=gshape, dtype=dtype, kind=kind))
                 entry.pieces.append(Piece(**piece))
             path.unlink()
-        for name in HF_FILES:
-            src = self.model_dir / name
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
-                fsync_path(tmp / name)
-                files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        for src in user_model_files(self.model_dir):  # none a link leading out of the model folder
+            name = src.name
+            shutil.copyfile(src, tmp / name)
+            fsync_path(tmp / name)
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         atomic_write(tmp / TRAINER_STATE, json.dumps(meta["state"], indent=1))
         files[TRAINER_STATE] = {
             "size": (tmp / TRAINER_STATE).stat().st_size,
@@ -333,7 +336,7 @@ class CheckpointWriter:
         manifest = Manifest(
             step=step,
             parallel=meta["parallel"],
-            model_config=json.loads((self.model_dir / "config.json").read_text()),
+            model_config=read_json(self.model_dir / "config.json"),
             files=dict(sorted(files.items())),
             tensors=dict(sorted(tensors.items())),
             adapter=meta["adapter"],
@@ -341,7 +344,7 @@ class CheckpointWriter:
         atomic_write(tmp / MANIFEST, manifest.to_json())  # fsyncs tmp too: every name in it is durable
         if self._cancel.is_set():
             raise _Cancelled(f"checkpoint-{step}")
-        if final.exists():  # an earlier, incomplete attempt at the same step
+        if final.exists():  # an earlier, incomplete attempt at the same step, in this run's own directory
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_path(self.run)

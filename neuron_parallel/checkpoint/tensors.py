@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..utils import read_json
 from .dtypes import dtype_from_name, dtype_from_safetensors, safetensors_dtype
-from .format import MANIFEST, Manifest, Piece, confined
+from .format import MANIFEST, Manifest, Piece, confined, hub_blobs
 
 __all__ = ["CheckpointTensors", "HFWeights"]
 
@@ -283,23 +284,16 @@ class CheckpointTensors:
         return self._files.get(rel).path
 
 
-def _hub_blobs(model_dir: Path) -> tuple[Path, ...]:
-    """Where the files of a Hugging Face hub cache snapshot (``<repo>/snapshots/<revision>/``)
-    link to: the repo's ``blobs/`` folder; nothing for any other folder."""
-    if model_dir.parent.name == "snapshots" and (model_dir.parent.parent / "blobs").is_dir():
-        return (model_dir.parent.parent / "blobs",)
-    return ()
-
-
 class HFWeights:
     """Tensors of a Hugging Face model directory (``model.safetensors`` or a sharded index)."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.root = Path(model_dir)
         index = self.root / "model.safetensors.index.json"
-        self._files = _Files(self.root, f"{index}: weight_map file", _hub_blobs(self.root))
+        self._files = _Files(self.root, f"{index}: weight_map file", hub_blobs(self.root))
         if index.exists():
-            self.where = json.loads(index.read_text()).get("weight_map")
+            raw = read_json(index)
+            self.where = raw.get("weight_map") if isinstance(raw, dict) else None
             if not isinstance(self.where, dict):
                 raise ValueError(f"{index}: no weight_map object (tensor name → file name)")
             for rel in set(self.where.values()):  # refused here, before any file is opened

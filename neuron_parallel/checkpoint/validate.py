@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def validate_checkpoint(path: str | Path, *, quick: bool = False, check_model: b
             ):
                 problems.append(f"{ckpt / p.file}: {name} slice {p.offsets}+{p.shape} lies outside {entry.shape}")
             total += math.prod(p.shape)
-        if total != math.prod(entry.shape) or _pieces_overlap(entry.pieces):
+        if total != math.prod(entry.shape) or not _covers_exactly_once(entry.pieces, entry.shape):
             problems.append(
                 f"{name}: pieces cover {total} elements of {math.prod(entry.shape)} "
                 f"(global shape {entry.shape}); every element must be covered exactly once"
@@ -140,12 +141,40 @@ def _check_against_model(ckpt: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
-def _pieces_overlap(pieces) -> bool:
-    for i, a in enumerate(pieces):
-        for b in pieces[i + 1 :]:
-            if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)):
-                return True
-    return False
+MAX_SPLIT_DIMS = 8
+"""The most dimensions a tensor's pieces may split it along (this tool and neuronx-distributed
+split one or two); pieces that split more are not a layout any writer makes, and are reported
+as not covering the tensor."""
+
+
+def _covers_exactly_once(pieces, shape: list[int]) -> bool:
+    """Whether ``pieces`` (rectangular slices) cover every element of a tensor of ``shape`` exactly
+    once: none overlaps another, and none reaches outside ``shape`` (pieces whose sizes add up to
+    the tensor's then leave no element uncovered).
+
+    Linear in the number of pieces, not quadratic in pairs: a box's indicator function is the
+    signed sum of the orthant indicators at its 2^d corners (+ at ``offsets``, − where one
+    coordinate is at the box's end, and so on), a function has one such sum, so the pieces' sum
+    equals the tensor's one box exactly when the corner weights of all pieces, less the tensor's,
+    cancel at every point. Dimensions no piece splits are left out first."""
+    ndim = len(shape)
+    if any(len(p.offsets) != ndim or len(p.shape) != ndim or any(n < 0 for n in p.shape) for p in pieces):
+        return False
+    if math.prod(shape) == 0:  # no element to cover; the caller has seen the pieces hold none either
+        return True
+    split = [k for k in range(ndim) if any(p.offsets[k] != 0 or p.shape[k] != shape[k] for p in pieces)]
+    if not split:  # every piece is the whole tensor
+        return len(pieces) == 1
+    if len(split) > MAX_SPLIT_DIMS:
+        return False
+    starts = [[p.offsets[k] for p in pieces] for k in split]
+    ends = [[p.offsets[k] + p.shape[k] for p in pieces] for k in split]
+    plus, minus = Counter(), Counter()  # corners of weight +1 and -1, the tensor's own with the opposite sign
+    for mask in range(1 << len(split)):  # which coordinates are taken at the end
+        even = bin(mask).count("1") % 2 == 0
+        (plus if even else minus).update(zip(*(ends[i] if mask >> i & 1 else starts[i] for i in range(len(split)))))
+        (minus if even else plus)[tuple(shape[k] if mask >> i & 1 else 0 for i, k in enumerate(split))] += 1
+    return plus == minus
 
 
 def _check_contents(ckpt: Path, manifest: Manifest, bad_files: set[str]) -> list[str]:

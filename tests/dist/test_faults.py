@@ -26,7 +26,7 @@ import pytest
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
 from neuron_parallel.config import LaunchConfig
 from neuron_parallel.launch import EVENT_PREFIX, torchrun_command
-from neuron_parallel.procs import kill_tree, process_tree
+from neuron_parallel.procs import kill_tree, process_tree, start_time
 from neuron_parallel.reporting import read_metrics
 
 from ..conftest import ROOT, torchrun, write_job
@@ -77,7 +77,7 @@ class Run:
 
     def _scan(self) -> None:
         for pid in process_tree(self.proc.pid):
-            started = _start_time(pid)
+            started = start_time(pid)
             if started is None:
                 continue
             self.seen.setdefault(pid, started)
@@ -116,7 +116,7 @@ class Run:
         sent SIGKILL may take a moment to go; zombies and reused pids are not counted)."""
         deadline = time.monotonic() + grace_s
         while True:
-            alive = [pid for pid, started in self.seen.items() if _start_time(pid) == started and _state(pid) != "Z"]
+            alive = [pid for pid, started in self.seen.items() if start_time(pid) == started and _state(pid) != "Z"]
             if not alive or time.monotonic() > deadline:
                 return alive
             time.sleep(0.05)
@@ -128,11 +128,6 @@ def _proc_stat(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-
-
-def _start_time(pid: int) -> int | None:
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields else None
 
 
 def _state(pid: int) -> str | None:

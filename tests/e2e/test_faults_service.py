@@ -126,10 +126,11 @@ def test_upload_cut_mid_commit_is_retried_into_exactly_one_commit(service, tmp_p
     from neuron_parallel.checkpoint.output import OWNER_FILE
     from neuron_parallel.hub import upload_model
 
+    from ..conftest import HUB_PORT
     from ..hub_server import LocalHub
 
     token, repo = "hf_" + secrets.token_hex(20), "alice/tiny-faults"
-    with LocalHub(tmp_path / "hub", users={token: "alice"}) as hub:
+    with LocalHub(tmp_path / "hub", users={token: "alice"}, port=HUB_PORT) as hub:
         with temporary_settings({PREFECT_API_URL: service.api}):
             Secret(value=token).save("hf-token-faults", overwrite=True)
         hub.fail_next_commit()

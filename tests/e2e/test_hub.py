@@ -172,7 +172,8 @@ def test_model_card_metadata_and_body(model_dir: Path, tmp_path: Path) -> None:
         )
     )
     assert card.data.base_model is None and card.data.datasets is None  # local paths stay out of the metadata
-    assert f'from_pretrained("{model_dir.resolve()}")' in card.text
+    # No repo id yet: the model by its folder's name, never a path of this machine.
+    assert f'from_pretrained("path/to/{model_dir.name}")' in card.text and str(tmp_path) not in card.text
 
 
 def test_adapter_card_says_peft_names_the_base_and_uploads_with_the_merged_folder(

@@ -14,6 +14,7 @@ import torch
 
 import neuron_parallel.checkpoint.save as save_module
 from neuron_parallel.checkpoint import is_complete, list_checkpoints
+from neuron_parallel.checkpoint.output import OWNER_FILE, claim_output_dir
 from neuron_parallel.checkpoint.save import CheckpointSaveFailed, CheckpointWriter
 from neuron_parallel.config import JobConfig, LaunchConfig
 
@@ -73,13 +74,13 @@ def test_check_reports_a_background_failure_without_blocking(tmp_path, model_dir
 
 
 def test_partial_folders_of_a_crashed_save_are_removed(tmp_path, model_dir):
-    run = tmp_path / "run"
+    run = claim_output_dir(tmp_path / "run")  # a run directory neuron-flows created
     (run / "checkpoint-7.tmp" / "shards").mkdir(parents=True)
     (run / "checkpoint-7").mkdir()  # incomplete, but not ours to delete: resume skips it with a warning
     (run / "notes.tmp").mkdir()
     writer = CheckpointWriter(run, coords=COORDS, model_dir=model_dir)
     assert writer.remove_partial() == ["checkpoint-7.tmp"]
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-7", "notes.tmp"]
+    assert sorted(p.name for p in run.iterdir() if p.name != OWNER_FILE) == ["checkpoint-7", "notes.tmp"]
 
 
 @pytest.mark.parametrize("value", [0, -5, math.nan])

@@ -16,8 +16,6 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_parallel.checkpoint import export_checkpoint, validate_checkpoint
-from neuron_parallel.checkpoint import tensors as tensors_module
-from neuron_parallel.checkpoint import validate as validate_module
 from neuron_parallel.checkpoint.format import COMPLETE, MANIFEST, Manifest, Piece, TensorEntry
 from neuron_parallel.checkpoint.tensors import CheckpointTensors, HFWeights
 from neuron_parallel.models.causal_lm import load_weights
@@ -80,26 +78,6 @@ def snapshot(root: Path) -> dict[str, bytes | str]:
         elif p.is_file():
             out[str(p.relative_to(root))] = p.read_bytes()
     return out
-
-
-@pytest.fixture
-def opened(monkeypatch):
-    """Every path hashed or opened as safetensors by the checkpoint readers."""
-    seen: list[Path] = []
-
-    def spy_hash(path, *a, **k):
-        seen.append(Path(path))
-        return sha256_file(path, *a, **k)
-
-    real = tensors_module._SafetensorsFile.__init__
-
-    def spy_open(self, path):
-        seen.append(Path(path))
-        real(self, path)
-
-    monkeypatch.setattr(validate_module, "sha256_file", spy_hash)
-    monkeypatch.setattr(tensors_module._SafetensorsFile, "__init__", spy_open)
-    return seen
 
 
 # -- paths that lead out of the folder ----------------------------------------------------------

@@ -67,7 +67,7 @@ def _event(name: str, flow: str = "finetune", deployment: bool = True):
     )
 
 
-def test_the_trigger_takes_failed_and_crashed_runs_of_the_deployments_only():
+def test_the_trigger_takes_failed_crashed_and_not_promoted_runs_of_the_deployments_only():
     from prefect.server.events.schemas.automations import EventTrigger
 
     client_side = _automation(uuid.uuid4(), ["finetune"]).trigger
@@ -75,6 +75,7 @@ def test_the_trigger_takes_failed_and_crashed_runs_of_the_deployments_only():
     assert trigger.immediate  # one event fires it, at once
     assert trigger.covers(_event("prefect.flow-run.Failed"))
     assert trigger.covers(_event("prefect.flow-run.Crashed"))
+    assert trigger.covers(_event("prefect.flow-run.NotPromoted"))  # Completed, its model kept off the Hub
     assert not trigger.covers(_event("prefect.flow-run.Completed"))
     assert not trigger.covers(_event("prefect.flow-run.Cancelled"))
     assert not trigger.covers(_event("prefect.task-run.Failed"))  # a step that fails and is retried
