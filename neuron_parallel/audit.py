@@ -2,10 +2,12 @@
 
 ``tokenize_data`` returns it in ``TokenizedDataset.audit`` and writes it to ``audit.json``:
 ``format``, ``packing`` (stream, documents or padded), ``examples``, ``kept``, ``truncated``,
-``dropped``, ``tokens`` (real tokens in rows), ``trained_tokens`` (labels that are not -100),
+``dropped`` (for preference data, ``pairs`` too: every count is of pairs), ``tokens`` (real
+tokens in rows), ``trained_tokens`` (labels that are not -100),
 ``trained_fraction``, ``rows``, ``fill`` (real tokens / (rows × block_size)), ``eval_examples``,
-``eval_rows`` and ``sample``: the first training example's text, the character spans that carry
-no loss (``masked_spans``) and the text with each of them wrapped in «…» (``marked``).
+``eval_rows``, ``sample``: the first training example's text, the character spans that carry
+no loss (``masked_spans``) and the text with each of them wrapped in «…» (``marked``), and
+``lineage``: what each source was (``data.data_lineage``) and the rows' fingerprint.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import DataConfig
+from .lineage import describe_identity
 from .packing import first_document
 
 
@@ -24,6 +27,7 @@ def build_audit(data: DataConfig, tokenizer, train_ex, train_rows, totals: dict,
         "format": data.format,
         "packing": "stream" if not data.documents else "padded" if data.packing is False else "documents",
         "examples": len(train_ex),
+        **({"pairs": len(train_ex)} if data.format == "preference" else {}),
         "kept": kept,
         "truncated": totals["truncated"],
         "dropped": len(train_ex) - kept,
@@ -57,8 +61,12 @@ def audit_sample(tokenizer, rows, stream: bool) -> dict:
 
 
 def audit_table(audit: dict) -> list[dict]:
-    """The audit as rows of ``{"metric", "value"}`` (a table artifact); the sample is left out."""
-    return [{"metric": k, "value": v} for k, v in audit.items() if k != "sample"]
+    """The audit as rows of ``{"metric", "value"}`` (a table artifact), one per source of its
+    lineage (``lineage.source``: ``org/name at commit …``); the sample is left out."""
+    rows = [{"metric": k, "value": v} for k, v in audit.items() if k not in ("sample", "lineage")]
+    return rows + [
+        {"metric": f"lineage.{k}", "value": describe_identity(v)} for k, v in audit.get("lineage", {}).items()
+    ]
 
 
 def audit_markdown(audit: dict) -> str:

@@ -161,8 +161,8 @@ class _Store:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, store: _Store, users: Mapping[str, str], max_body: int) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, store: _Store, users: Mapping[str, str], max_body: int, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), _Handler)
         self.store, self.users, self.max_body = store, dict(users), max_body
         self.secret = secrets.token_bytes(32)  # signs the pre-signed LFS upload URLs
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -568,7 +568,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class LocalHub:
-    """A Hub stand-in on ``127.0.0.1:<free port>``, served from a daemon thread.
+    """A Hub stand-in on ``127.0.0.1:<port>`` (default a free one), served from a daemon thread.
 
     ``users`` maps bearer tokens to user names (the first pair is ``token``/``user``). Writes need a
     valid token and may go only to the caller's own namespace. Use it as a context manager, or call
@@ -576,13 +576,18 @@ class LocalHub:
     """
 
     def __init__(
-        self, root: Path | str, *, users: Mapping[str, str] = DEFAULT_USERS, max_body_bytes: int = MAX_BODY_BYTES
+        self,
+        root: Path | str,
+        *,
+        users: Mapping[str, str] = DEFAULT_USERS,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        port: int = 0,
     ) -> None:
         if not users:
             raise ValueError("LocalHub needs at least one token -> user entry")
         self.root = Path(root)
         self.token, self.user = next(iter(users.items()))
-        self._server = _Server(_Store(self.root), users, max_body_bytes)
+        self._server = _Server(_Store(self.root), users, max_body_bytes, port)
         # A short poll interval keeps close() (which waits for the serve loop to notice) quick.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="LocalHub", daemon=True)
 

@@ -25,5 +25,11 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> str:
         )
     from huggingface_hub import snapshot_download
 
+    from ..checks import hub_refusal
+
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-    return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
+    try:
+        return snapshot_download(name_or_path, revision=revision, allow_patterns=patterns)
+    except Exception as e:  # not cached and not reachable, an incomplete cached snapshot, refused
+        reason = f"its files cannot be fetched ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        raise hub_refusal("model.name_or_path", name_or_path, "model", revision, reason) from None
