@@ -5,6 +5,7 @@ from prefect import get_run_logger, task
 from neuron_parallel.hub import HubCommit
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout
+from neuron_parallel.promotion import Evaluation
 
 from . import steps
 from .common import STEP_POLICY, hub_token
@@ -18,6 +19,15 @@ UPLOAD_POLICY = {**STEP_POLICY, "retries": 0}
 
 
 @task(name="upload", **UPLOAD_POLICY)
-def upload(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: CheckedLayout) -> HubCommit | None:
+def upload(
+    config: FinetuneConfig,
+    model_dir: str,
+    result: TrainResult,
+    layout: CheckedLayout,
+    evaluation: Evaluation | None = None,
+) -> HubCommit | None:
     log = get_run_logger()
-    return steps.upload(config, model_dir, result, layout, token=hub_token(config), log=log.info, warn=log.warning)
+    token = hub_token(config)
+    return steps.upload(
+        config, model_dir, result, layout, token=token, evaluation=evaluation, log=log.info, warn=log.warning
+    )
