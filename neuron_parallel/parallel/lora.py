@@ -53,9 +53,13 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Parameter
     lora_scale: float
     lora_dropout: float
+    lora_enabled = True
+    """False runs the base layer alone (the reference model of preference tuning)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return out
         z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         return out + F.linear(F.linear(z, self.lora_A), self.lora_B) * self.lora_scale
 
