@@ -2,6 +2,9 @@
 
 neuron-flows run CONFIG [--set k=v ...]        the whole pipeline as a Prefect flow
 neuron-flows train CONFIG [--set k=v ...]      tokenize + train only (torchrun, no Prefect)
+neuron-flows evaluate MODEL --config F [--set k=v ...]
+                                               the evaluate step alone on a model directory
+                                               (exit 3 when evaluate.gate is not met)
 neuron-flows validate PATH [--quick]           check a checkpoint
 neuron-flows consolidate CKPT OUT [-f ...]     checkpoint → Hugging Face model directory
                          [--merge]             (LoRA: peft adapter; --merge: base + adapters)
@@ -11,6 +14,9 @@ neuron-flows join [--launch-file F]            a further node of a multi-node ru
 neuron-flows plan --model M --hardware KIND --nodes N --seq-len S --global-batch G [--json]
                   [--memory-fraction F] [--lora-r R [--lora-targets q_proj,v_proj]]
                                                rank parallel layouts: memory per rank, tokens/s
+neuron-flows doctor [--device D] [--nproc N] [--nnodes N] [--config F] [--json]
+                                               check this host for a job: stack, one rank, all
+                                               ranks, a parity smoke against one CPU process
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ def _config(args):
 
 
 def _preflight(config, *, check_upload: bool = False):
-    """The pipeline's preflight step (``tasks.steps.preflight``), before anything starts."""
+    """The pipeline's preflight step (``tasks.steps.preflight``), before anything starts; the config
+    with every Hub name's revision resolved to a commit."""
     from neuron_flows.tasks import steps
 
     # A token in a Prefect Secret block is read, and the Hub checked with it, by the flow.
     check_upload = check_upload and not config.hub.token_secret
-    steps.preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload, warn=_say)
+    return steps.preflight(config, hub_token=os.environ.get("HF_TOKEN"), check_upload=check_upload, warn=_say)
 
 
 def cmd_run(args) -> int:
@@ -73,6 +80,41 @@ def cmd_run(args) -> int:
             ahead.stop()
     print(f"run: {result['run_dir']}")
     print(f"consolidated: {result['consolidated']}")
+    if not result.get("promoted", True):
+        print(f"not promoted: {result['reason']}")
+        return NOT_PROMOTED_EXIT
+    return 0
+
+
+NOT_PROMOTED_EXIT = 3
+"""The exit code of ``run`` and ``evaluate`` when the model does not meet ``evaluate.gate``."""
+
+
+def cmd_evaluate(args) -> int:
+    """The evaluate step (``tasks.steps.evaluate``) on the model in ``args.model_dir``, with the
+    config's evaluation, eval rows (tokenized as the run tokenizes them) and output folder; exit
+    0 when the model meets the gate (or there is none), :data:`NOT_PROMOTED_EXIT` when not."""
+    from pathlib import Path
+
+    config = _config(args)
+    if not Path(args.model_dir).is_dir():
+        raise ValueError(f"{args.model_dir} is not a directory; give a model directory (a consolidated model)")
+    if "{flow_run" in config.output.dir:  # no Prefect run here to name the directory after
+        import time
+
+        config = config.for_run(time.strftime("evaluate-%Y%m%d-%H%M%S"), "none")
+    from neuron_flows.tasks import steps
+    from neuron_parallel.run_files import EVALUATION_FILE
+
+    steps.check_evaluation(config)
+    eval_path = steps.tokenize(config, log=_say).eval_path if config.library("data").has_eval else None
+    token = os.environ.get("HF_TOKEN")
+    evaluation = steps.evaluate(config, args.model_dir, eval_path=eval_path, token=token, log=_say)
+    print(f"evaluation: {Path(config.output.dir) / EVALUATION_FILE}")
+    if not evaluation.promoted:
+        print(f"not promoted: {evaluation.reason}")
+        return NOT_PROMOTED_EXIT
+    print(f"promoted: {evaluation.reason}")
     return 0
 
 
@@ -199,16 +241,18 @@ def cmd_train(args) -> int:
         import time
 
         config = config.for_run(time.strftime("train-%Y%m%d-%H%M%S"), "none")
-    _preflight(config)
+    config = _preflight(config)
     from neuron_flows.tasks import steps
     from neuron_parallel.reporting import format_event
 
     dataset = steps.tokenize(config, log=_say)
+    reference_path = steps.reference(config, dataset, log=_say)
     layout, _ = steps.plan(config, steps.model_dir(config), dataset.path, log=_say)
     steps.train(
         config,
         dataset,
         layout,
+        reference_path=reference_path,
         on_event=lambda event: _say(format_event(event)),
         log=_say,
         on_line=lambda line: print(line, file=sys.stderr),
@@ -224,8 +268,10 @@ def _say(line: str) -> None:
 def cmd_serve(args) -> int:
     from pathlib import Path
 
+    from neuron_flows.flows.notify import webhook_url
     from neuron_flows.flows.serve import register_only, serve
 
+    webhook_url()  # a webhook that may not carry notifications is refused before anything starts
     if args.register_only:
         return register_only()
     return serve(args.host, args.port, Path(args.home), worker=not args.no_worker)
@@ -255,6 +301,9 @@ def cmd_validate(args) -> int:
 
 
 def cmd_consolidate(args) -> int:
+    from neuron_parallel.checkpoint.output import check_output_dir
+
+    check_output_dir(args.output)  # someone else's folder is refused at once, before torch is imported
     from neuron_parallel.checkpoint import export_checkpoint
 
     options = {k: getattr(args, k) for k in ("max_shard_size", "model_dir", "base_dir")}
@@ -299,6 +348,31 @@ def cmd_plan(args) -> int:
     return 0 if report.feasible else 1
 
 
+DOCTOR_FLAGS = (
+    "doctor's --device, --nproc and --nnodes set launch.device, launch.nproc_per_node and launch.nnodes; without "
+    "--config, NEURON_FLOWS_RDZV_ENDPOINT gives launch.rdzv_endpoint"
+)
+
+
+def cmd_doctor(args) -> int:
+    """Exit 0 when every check passes, 1 when one fails (a device the host lacks, or bad input,
+    is a ``ValueError``: exit 2)."""
+    from neuron_flows.tasks import steps
+    from neuron_flows.tasks.config import FinetuneConfig
+    from neuron_flows.tasks.doctor import doctor_target
+    from neuron_parallel.doctor import format_table, run_doctor, to_json
+
+    flags = {"device": args.device, "nproc_per_node": args.nproc, "nnodes": args.nnodes}
+    try:
+        config = FinetuneConfig.load(args.config, [f"launch.{k}={v}" for k, v in flags.items() if v is not None])
+        target = doctor_target(config, steps.plan, from_file=args.config is not None, work_dir=args.work_dir)
+        checks = run_doctor(target)
+    except ValueError as e:
+        raise ValueError(f"{e} ({DOCTOR_FLAGS})") from None
+    print(to_json(checks) if args.json else format_table(checks), flush=True)
+    return 0 if all(c.ok for c in checks) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-flows", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="YAML config file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         p.set_defaults(fn=fn)
+    p = sub.add_parser(
+        "evaluate",
+        help="the evaluate step alone: eval loss, generations and lm-eval tasks of a model directory, and "
+        "evaluate.gate (exit 3 when not met); writes evaluation.json into output.dir",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory (a consolidated model)")
+    p.add_argument("--config", required=True, help="the run's YAML config (its evaluate, data and output sections)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(fn=cmd_evaluate)
     p = sub.add_parser("validate", help="check a checkpoint (run dir, checkpoint dir or shards/)")
     p.add_argument("path")
     p.add_argument("--quick", action="store_true", help="sizes only, no checksums or tensor reads")
@@ -317,7 +400,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate(sub)
     _add_service(sub)
     _add_plan(sub)
+    _add_doctor(sub)
     return parser
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this host for a job: torch and the device, one rank, collectives on every rank, and a "
+        "3-step parity smoke against one CPU process",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda", "neuron"], help="default: the config's launch.device, else cpu")
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: the config's launch.nproc_per_node, else 1)")
+    p.add_argument("--nnodes", type=int, help="nodes of the job (default: the config's launch.nnodes, else 1)")
+    p.add_argument("--config", help="the run's YAML config: its layout, model, shapes and output dir are checked for")
+    p.add_argument(
+        "--work-dir",
+        help="where the parity smoke keeps its tiny model, data and runs (default .runs/doctor; on a volume every "
+        "node mounts when --nnodes > 1)",
+    )
+    p.add_argument("--json", action="store_true", help='only JSON on stdout: {"checks": [{name, ok, detail, seconds}]}')
+    p.set_defaults(fn=cmd_doctor)
 
 
 def _add_consolidate(sub) -> None:
@@ -425,7 +528,7 @@ def _stop_on(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
-EXIT_AT_ONCE = ("run", "train")
+EXIT_AT_ONCE = ("run", "train", "evaluate")
 """Commands that, run as the ``neuron-flows`` command, end the process as soon as they return."""
 
 

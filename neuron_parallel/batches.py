@@ -22,6 +22,17 @@ IGNORE_INDEX = -100
 """The label of a position that takes no loss (a prompt token, padding, a document's end)."""
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of a batch on ``device`` without waiting for it. On CUDA a copy from pageable
+    memory makes the host wait until the stream has drained (a host sync every step), so the rows
+    go through pinned memory and are copied asynchronously (the caching host allocator keeps the
+    pinned buffer until the copy has run). Elsewhere a plain ``to``: on CPU nothing is copied;
+    TorchNeuron queues the transfer in its own runtime."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """Rows of token ids, their targets, and (document-packed data) their positions, each
@@ -35,6 +46,12 @@ class Batch:
     causal_rows: tuple[bool, ...] | None = None
     """Per row of document-packed data, :func:`causal_rows` as found on the host when the rows
     were read (None: not known, so each row attends within its documents)."""
+    sequence_ids: torch.Tensor | None = None
+    """Preference rows: which completion each labelled position belongs to
+    (:mod:`neuron_parallel.preference`)."""
+    reference: torch.Tensor | None = None
+    """Preference rows: the reference's summed log-probability of each completion, by sequence id
+    (``(rows, slots)``), where the reference step computed them."""
 
     @property
     def causal(self) -> bool:
@@ -51,7 +68,8 @@ class Batch:
 
     def split(self, count: int) -> list[Batch]:
         """Consecutive batches of ``count`` rows."""
-        parts = [t.split(count) if t is not None else None for t in (self.inputs, self.labels, self.positions)]
+        tensors = (self.inputs, self.labels, self.positions, self.sequence_ids, self.reference)
+        parts = [t.split(count) if t is not None else None for t in tensors]
         n = len(parts[0])
         rows = self.causal_rows
         return [
@@ -60,6 +78,8 @@ class Batch:
                 parts[1][i],
                 parts[2][i] if parts[2] is not None else None,
                 causal_rows=rows[i * count : (i + 1) * count] if rows is not None else None,
+                sequence_ids=parts[3][i] if parts[3] is not None else None,
+                reference=parts[4][i] if parts[4] is not None else None,
             )
             for i in range(n)
         ]
@@ -92,18 +112,19 @@ def _targets_per_row(labels: np.ndarray) -> np.ndarray:
     return np.count_nonzero(np.asarray(labels) != IGNORE_INDEX, axis=1)
 
 
-def _batch(dataset, indices: list[int], pad_to: int = 0) -> Batch:
+def _batch(dataset, indices: list[int], pad_to: int = 0, reference=None) -> Batch:
     """Rows ``indices`` of ``dataset`` (numpy format) as a :class:`Batch`, followed by empty rows
     up to ``pad_to`` rows (token 0, no targets, positions ``0..block_size-1``), so that the batch
-    shape stays fixed where the data runs out."""
+    shape stays fixed where the data runs out; ``reference``: the rows' reference log-probabilities
+    (preference data, :mod:`neuron_parallel.preference`), read at the same indices."""
     rows = dataset[indices] if indices else None
-    columns = ("input_ids", "labels", "position_ids")
-    has_positions = "position_ids" in dataset.column_names
+    columns = ("input_ids", "labels", "position_ids", "sequence_ids")
     out = {
         c: np.asarray(rows[c], dtype=np.int64) if rows is not None else None
         for c in columns
-        if c != "position_ids" or has_positions
+        if c in dataset.column_names
     }
+    has_positions = "position_ids" in out
     missing = pad_to - len(indices)
     if missing > 0:
         block = len(dataset[0]["input_ids"])
@@ -111,13 +132,32 @@ def _batch(dataset, indices: list[int], pad_to: int = 0) -> Batch:
             "input_ids": np.zeros((missing, block), dtype=np.int64),
             "labels": np.full((missing, block), IGNORE_INDEX, dtype=np.int64),
             "position_ids": np.broadcast_to(np.arange(block, dtype=np.int64), (missing, block)),
+            "sequence_ids": np.full((missing, block), -1, dtype=np.int64),
         }
         for c in out:
             out[c] = empty[c] if out[c] is None else np.concatenate([out[c], empty[c]])
     tensors = {c: torch.from_numpy(np.ascontiguousarray(a)) for c, a in out.items()}
     targets = int(_targets_per_row(out["labels"]).sum())
     causal = causal_rows(out["position_ids"], out["labels"]) if has_positions else None
-    return Batch(tensors["input_ids"], tensors["labels"], tensors.get("position_ids"), targets, causal)
+    ref = None
+    if reference is not None:
+        from .preference import REFERENCE_COLUMN
+
+        values = np.asarray(reference[indices][REFERENCE_COLUMN], dtype=np.float32) if indices else None
+        width = len(reference[0][REFERENCE_COLUMN])
+        if missing > 0:
+            empty = np.zeros((missing, width), dtype=np.float32)
+            values = empty if values is None else np.concatenate([values, empty])
+        ref = torch.from_numpy(np.ascontiguousarray(values))
+    return Batch(
+        tensors["input_ids"],
+        tensors["labels"],
+        tensors.get("position_ids"),
+        targets,
+        causal,
+        sequence_ids=tensors.get("sequence_ids"),
+        reference=ref,
+    )
 
 
 class BlockStream:
@@ -125,8 +165,10 @@ class BlockStream:
     sequentially, so optimizer step ``s`` always sees global samples ``[s·G, (s+1)·G)``
     whatever the parallel layout and wherever a resumed run starts."""
 
-    def __init__(self, path: str | Path, *, seed: int) -> None:
+    def __init__(self, path: str | Path, *, seed: int, reference: str | Path | None = None) -> None:
         self.dataset = _load(path)
+        self.reference = _load(reference) if reference is not None else None
+        self._pairs = None
         self.num_blocks = len(self.dataset)
         self.seed = seed
         self._perm: tuple[int, np.ndarray] | None = None
@@ -150,7 +192,14 @@ class BlockStream:
 
     def batch(self, start: int, count: int) -> Batch:
         """The rows at global sample positions ``start .. start + count - 1``."""
-        return _batch(self.dataset, self.indices(start, count))
+        return _batch(self.dataset, self.indices(start, count), reference=self.reference)
+
+    def num_pairs(self, start: int, count: int) -> int:
+        """Preference pairs in the rows at global sample positions ``start .. start + count - 1``,
+        counted on the host from the rows' sequence ids (all rows counted once, at first use)."""
+        if self._pairs is None:
+            self._pairs = _pairs_of(self.dataset)
+        return int(self._pairs[np.asarray(self.indices(start, count), dtype=np.int64)].sum())
 
     def num_targets(self, start: int, count: int) -> int:
         """Labelled positions in the rows at global sample positions ``start .. start + count - 1``,
@@ -163,11 +212,21 @@ class BlockStream:
         return int(self._targets[rows].sum())
 
 
+def _pairs_of(dataset) -> np.ndarray:
+    """Pairs of every row of a preference dataset (``preference.pairs_per_row``), 1024 rows at a time."""
+    from .preference import pairs_per_row
+
+    chunks = range(0, len(dataset), 1024)
+    parts = [pairs_per_row(dataset[i : i + 1024]["sequence_ids"]) for i in chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 class EvalRows:
     """An eval dataset read in order, every row once, in fixed-shape batches."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, reference: str | Path | None = None) -> None:
         self.dataset = _load(path)
+        self.reference = _load(reference) if reference is not None else None
         self.num_rows = len(self.dataset)
         self._num_targets: int | None = None
 
@@ -181,4 +240,10 @@ class EvalRows:
 
     def batch(self, start: int, count: int) -> Batch:
         """Rows ``start .. start + count - 1``; past the end, empty rows (no targets)."""
-        return _batch(self.dataset, list(range(start, min(start + count, self.num_rows))), pad_to=count)
+        rows = list(range(start, min(start + count, self.num_rows)))
+        return _batch(self.dataset, rows, pad_to=count, reference=self.reference)
+
+    @property
+    def num_pairs(self) -> int:
+        """Preference pairs over every row (counted on the host)."""
+        return int(_pairs_of(self.dataset).sum())

@@ -66,7 +66,9 @@ class ModelConfig:
     """Hub revision when name_or_path is a Hub id."""
 
 
-DataFormat = Literal["text", "chat", "instruction", "prompt_completion"]
+DataFormat = Literal["text", "chat", "instruction", "prompt_completion", "preference"]
+Objective = Literal["sft", "dpo", "simpo", "orpo"]
+DpoLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,25 +86,37 @@ class DataConfig:
     wikitext-2-raw-v1; needed when it declares several. Applies to every source."""
     split: str = "train"
     """Split to read from a Hub dataset or dataset folder."""
+    revision: str | list[str | None] | None = None
+    """Revision (branch, tag or commit) of a Hub dataset data.source; with data.weights a list, one
+    per entry of data.source (null for a local one). Unset: the newest commit. The preflight step
+    resolves it to a commit, which the run records; data.eval_source is read at the revision of
+    the same Hub dataset in data.source, else at its newest commit."""
     block_size: int = 128
     """Tokens per training sequence."""
     cache_dir: str = ".runs/datasets"
     """Where tokenized datasets are kept, keyed by fingerprint."""
     format: DataFormat = "text"
     """text (raw documents), chat (a column of messages), instruction (instruction / input /
-    response columns, alpaca or dolly style) or prompt_completion (prompt and completion columns)."""
+    response columns, alpaca or dolly style), prompt_completion (prompt and completion columns) or
+    preference (prompt, chosen and rejected columns, for train.objective dpo, simpo or orpo)."""
     messages_field: str = "messages"
     """Column holding each conversation as a list of {role, content} (format chat); roles are
     system, user, assistant and tool."""
     prompt_field: str | None = None
     """Column of the instruction (format instruction; default instruction) or of the prompt
-    (format prompt_completion; default prompt)."""
+    (formats prompt_completion and preference; default prompt)."""
     input_field: str | None = None
     """Column of the optional context of an instruction (format instruction); default input
     (alpaca) or context (dolly), whichever exists."""
     response_field: str | None = None
     """Column of the response (format instruction; default output (alpaca) or response (dolly))
     or of the completion (format prompt_completion; default completion)."""
+    chosen_field: str = "chosen"
+    """Column of the preferred completion of each pair (format preference): a string, or a list of
+    chat messages (the assistant turn(s))."""
+    rejected_field: str = "rejected"
+    """Column of the dispreferred completion of each pair (format preference), like
+    data.chosen_field."""
     chat_template: str | None = None
     """Path of a Jinja chat template file used instead of the tokenizer's own, e.g.
     .tiny/chat_templates/llama3.jinja; needed for chat data when the tokenizer has none."""
@@ -144,12 +158,23 @@ class DataConfig:
                         f"data.{name} applies to data.format instruction or prompt_completion (format is "
                         f"{self.format}); remove it or set data.format"
                     )
+        if self.format == "preference" and self.response_field is not None:
+            raise ValueError(
+                "data.response_field does not apply to data.format=preference; name the completions with "
+                "data.chosen_field and data.rejected_field"
+            )
+        if self.format != "preference" and (self.chosen_field, self.rejected_field) != ("chosen", "rejected"):
+            raise ValueError(
+                f"data.chosen_field and data.rejected_field apply to data.format=preference only (format is "
+                f"{self.format}); remove them or set data.format: preference"
+            )
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
             raise ValueError(
                 f"data.chat_template={self.chat_template!r} is not a file; give the path of a Jinja chat template, "
                 "e.g. one of neuron_parallel/chat_templates/, or remove it to use the tokenizer's own"
             )
         self._check_weights()
+        self._check_revision()
         self._check_eval()
 
     def _check_weights(self) -> None:
@@ -163,6 +188,21 @@ class DataConfig:
             )
         if not all(w > 0 and math.isfinite(w) for w in self.weights):
             raise ValueError(f"data.weights must all be positive numbers, got {self.weights}")
+
+    def _check_revision(self) -> None:
+        if isinstance(self.revision, list) and (self.weights is None or len(self.revision) != len(self.source)):
+            count = len(self.source) if self.weights is not None else 1
+            raise ValueError(
+                f"data.revision is a list of {len(self.revision)} but data.source has {count} source(s) to mix; give "
+                "one revision per entry of a weighted data.source (null for a local one), or one revision as a string"
+            )
+
+    def revision_of(self, index: int | None = None) -> str | None:
+        """The revision asked for the training source at ``index`` of a weighted list (None: the
+        whole ``data.source``)."""
+        if isinstance(self.revision, list):
+            return self.revision[index or 0]
+        return self.revision
 
     def _check_eval(self) -> None:
         if not (self.eval_fraction == 0 or 0 < self.eval_fraction < 1):
@@ -312,6 +352,30 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PreferenceConfig:
+    """Settings of the preference objectives (train.objective dpo, simpo or orpo)."""
+
+    beta: float = 0.1
+    """DPO and SimPO: the inverse temperature β of the implicit reward; ORPO: the weight λ of the
+    odds-ratio term (as TRL's ORPOConfig names it beta)."""
+    loss_type: DpoLossType = "sigmoid"
+    """DPO's loss of the reward margin: sigmoid (DPO), ipo (IPO), hinge (SLiC) or robust (robust
+    DPO, with label_smoothing as the label noise)."""
+    label_smoothing: float = 0.0
+    """DPO sigmoid and robust: the assumed probability that a pair's labels are flipped (cDPO);
+    SimPO sigmoid: the same smoothing. 0 trusts every label."""
+    gamma: float = 0.5
+    """SimPO: the target reward margin γ (TRL's cpo_alpha=0, simpo_gamma)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("train.preference", "loss_type", self.loss_type, DpoLossType)
+        if not self.beta > 0:
+            raise ValueError(f"train.preference.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"train.preference.label_smoothing must be within [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Optimisation hyper-parameters and the checkpoint cadence."""
 
@@ -327,7 +391,8 @@ class TrainConfig:
     """Seeds the data order, dropout and the LoRA adapters' initialisation (the model's weights
     are always loaded)."""
     global_batch_size: int = 8
-    """Sequences per optimizer step, whatever the layout and the number of ranks."""
+    """Sequences per optimizer step, whatever the layout and the number of ranks (rows of packed
+    data; under a preference objective, rows of pairs)."""
     micro_batch_size: int = 4
     """Sequences per data-parallel rank per forward/backward; gradient accumulation makes up the
     rest of the global batch (chosen by the planner when left auto)."""
@@ -353,6 +418,12 @@ class TrainConfig:
     """Compute the eval loss every N optimizer steps and after the last one (needs eval data:
     data.eval_source, data.eval_split or data.eval_fraction); 0 evaluates only after the last
     step."""
+    objective: Objective = "sft"
+    """sft (next-token loss on the trained tokens), or a preference objective on data.format=preference:
+    dpo (needs a reference: the base with the adapters off under LoRA, else the reference step's
+    log-probabilities), simpo or orpo; settings in train.preference."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """beta, loss_type, label_smoothing and gamma of the preference objectives."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on the frozen base model instead of every weight; None (the
     default) fine-tunes every weight."""
@@ -410,6 +481,9 @@ class TrainConfig:
                 "otherwise; set eval_every or drop early_stopping_patience"
             )
         self.betas = tuple(self.betas)
+        _check_choice("train", "objective", self.objective, Objective)
+        if isinstance(self.preference, dict):
+            self.preference = PreferenceConfig(**self.preference)
         if isinstance(self.lora, dict):
             self.lora = LoraConfig(**self.lora)
 
@@ -439,6 +513,11 @@ class LaunchConfig:
     dies ends the run within this time (then retry: it resumes from the last complete checkpoint)
     instead of holding every other rank. It also bounds rank 0's wait for the other ranks' parts
     of a checkpoint, so it must exceed the longest step, evaluation or checkpoint write."""
+    first_step_timeout_s: float | None = None
+    """Seconds a collective may wait for another rank until each start's first optimizer step is
+    done (building the model, loading a checkpoint, the first step), when ranks compile their
+    graphs at different speeds: on neuron every graph of a cold compile cache takes minutes. Then
+    launch.timeout_s applies. None: launch.timeout_s throughout."""
 
     def __post_init__(self) -> None:
         _check_choice("launch", "device", self.device, Device)
@@ -446,6 +525,12 @@ class LaunchConfig:
             raise ValueError(
                 f"launch.timeout_s must be > 0, got {self.timeout_s}; it is how many seconds a collective waits "
                 "for another rank, e.g. 1800 (the default) or 600"
+            )
+        if self.first_step_timeout_s is not None and not self.first_step_timeout_s > 0:
+            raise ValueError(
+                f"launch.first_step_timeout_s must be > 0 or unset (launch.timeout_s throughout), got "
+                f"{self.first_step_timeout_s}; it is how many seconds a collective waits for another rank until the "
+                "first step is done, e.g. 5400 where graphs compile on a cold cache"
             )
         if self.omp_num_threads < 1:
             raise ValueError(f"launch.omp_num_threads must be >= 1, got {self.omp_num_threads}")
@@ -464,12 +549,27 @@ class LaunchConfig:
                 "that every node can reach"
             )
 
+    @property
+    def start_timeout_s(self) -> float:
+        """How long a collective waits for another rank until the first step is done
+        (``first_step_timeout_s``, else ``timeout_s``)."""
+        return self.timeout_s if self.first_step_timeout_s is None else self.first_step_timeout_s
+
 
 def resolve_precision(precision: str, device: str) -> str:
     """The precision a job on ``device`` runs for ``parallel.mixed_precision=precision``: ``auto``
     as :data:`AUTO_PRECISION` says, fp32 and bf16 as given."""
     _check_choice("parallel", "mixed_precision", precision, Precision)
     return AUTO_PRECISION[device] if precision == "auto" else precision
+
+
+def check_objective(data: DataConfig, train: TrainConfig) -> None:
+    """Refuse a preference objective without preference data, and preference data under sft."""
+    if (train.objective != "sft") != (data.format == "preference"):
+        raise ValueError(
+            f"train.objective={train.objective} does not go with data.format={data.format}: the preference "
+            "objectives (dpo, simpo, orpo) train on data.format: preference and sft on the other formats; set both"
+        )
 
 
 def check_eval(data: DataConfig, train: TrainConfig) -> None:
@@ -497,8 +597,21 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    reference_path: str | None = None
+    """The reference log-probabilities of every pair (``neuron_parallel.preference.compute_reference``):
+    a folder with ``train`` (and ``eval``) aligned with the rows; needed by dpo without LoRA."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """What the run trains on by identity (``neuron_parallel.lineage.run_lineage``): stored in every
+    checkpoint's trainer state and checked when a run resumes; empty: not recorded or checked."""
 
     def __post_init__(self) -> None:
+        check_objective(self.data, self.train)
+        if self.train.objective != "sft" and self.parallel.pp > 1:
+            raise ValueError(
+                f"train.objective={self.train.objective} runs without pipeline parallelism (parallel.pp=1): the "
+                "pipeline schedules carry the token loss only; set parallel.pp: 1 (tp, sequence_parallel, dp and "
+                "zero_1 all apply)"
+            )
         if self.parallel.mixed_precision == "auto":  # the job records what it runs
             precision = resolve_precision("auto", self.launch.device)
             self.parallel = dataclasses.replace(self.parallel, mixed_precision=precision)

@@ -8,10 +8,14 @@ builds rows (``neuron_parallel.packing``) and saves them under ``cache_dir/<fing
 - ``train/`` and, when evaluation is configured, ``eval/``: ``datasets`` folders (numpy format)
   with int32 columns ``input_ids``, ``labels`` (shifted targets, -100 without loss) and, in
   document mode only, ``position_ids``, each of ``block_size`` tokens per row;
-- ``neuron_flows_dataset.json``: the ``TokenizedDataset``; ``audit.json``: its audit.
+- ``neuron_flows_dataset.json``: the ``TokenizedDataset``; ``audit.json``: its audit, with the
+  ``lineage`` of every source (a Hub dataset's repo id and commit, a local one's name and content
+  fingerprint) and of the rows (``fingerprint``).
 
-An existing complete result is reused; a new one is written under a private name and renamed
-into place.
+A Hub dataset is read at the commit its revision resolves to (``checks.resolve_hub_repo``), from
+a snapshot of that repo at that commit in the Hugging Face cache, never from a copy ``datasets``
+prepared under the same name (which may come from a local folder of that name). An existing
+complete result is reused; a new one is written under a private name and renamed into place.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from pathlib import Path
 
 from .audit import build_audit
 from .checkpoint.format import TOKENIZER_FILES
+from .checks import HubRevision, hub_name, hub_refusal, hub_sources, resolve_hub_repo
 from .config import DataConfig
 from .packing import PACK_BATCH, count_columns, document_rows, stream_rows
+from .preference import PairEncoder, pair_columns, pair_features, pair_rows
 from .sft import Encoder, resolve_columns
 from .utils import names_local_path, sha256_file
 
@@ -113,7 +119,7 @@ def _source_entries(data: DataConfig) -> list[tuple[str | list[str], str]]:
     return [(data.source, "data.source")]
 
 
-def _hash_source(h, source: str | list[str]) -> None:
+def _hash_source(h, source: str | list[str], commit: str | None = None) -> None:
     repo = dataset_repo(source)
     if repo is None:
         files = local_data_files(source)
@@ -122,26 +128,28 @@ def _hash_source(h, source: str | list[str]) -> None:
     else:
         files = None
     if files is None:
-        h.update(f"hub:{source}".encode())
+        h.update(f"hub:{source}".encode() + (f"@{commit}".encode() if commit else b""))
     else:
         h.update(f"files:{len(files)}".encode())
         for f in files:
             h.update(sha256_file(f).encode())
 
 
-def dataset_fingerprint(data: DataConfig, tokenizer_dir: str | Path) -> str:
+def dataset_fingerprint(data: DataConfig, tokenizer_dir: str | Path, commits: dict[str, str] | None = None) -> str:
     """A digest of everything that determines the rows: every setting of ``data`` but where
-    things are kept, the contents of every source and evaluation source (or their Hub names) and
-    of the chat template file, the tokenizer's files, and this format's version."""
+    things are kept, the contents of every source and evaluation source (or their Hub names at
+    the commits ``commits`` gives by config key, ``_hub_revisions``) and of the chat template
+    file, the tokenizer's files, and this format's version."""
+    commits = commits or {}
     h = hashlib.sha256()
-    paths = ("source", "eval_source", "cache_dir", "chat_template")  # counted by content below
+    paths = ("source", "eval_source", "cache_dir", "chat_template", "revision")  # counted by content below
     settings = {k: v for k, v in dataclasses.asdict(data).items() if k not in paths}
     h.update(json.dumps([FORMAT_VERSION, settings], sort_keys=True).encode())
-    for source, _ in _source_entries(data):
-        _hash_source(h, source)
+    for source, key in _source_entries(data):
+        _hash_source(h, source, commits.get(key))
     if data.eval_source is not None:
         h.update(b"eval")
-        _hash_source(h, data.eval_source)
+        _hash_source(h, data.eval_source, commits.get("data.eval_source"))
     if data.chat_template is not None:
         h.update(b"template" + sha256_file(Path(data.chat_template).expanduser()).encode())
     for name in TOKENIZER_FILES:
@@ -151,9 +159,70 @@ def dataset_fingerprint(data: DataConfig, tokenizer_dir: str | Path) -> str:
     return h.hexdigest()[:20]
 
 
-def _load_raw(source: str | list[str], split: str, config: str | None = None):
+def _hub_revisions(data: DataConfig) -> dict[str, HubRevision]:
+    """The commit of every Hub dataset ``data`` reads, by config key (``checks.hub_sources``); an
+    evaluation source that is one of the training sources is read at that source's commit."""
+    found = {
+        key: resolve_hub_repo(key, repo_id, revision, repo_type="dataset", revision_key=revision_key)
+        for key, repo_id, revision, revision_key in hub_sources(data)
+    }
+    eval_name = hub_name(data.eval_source) if data.eval_source is not None else None
+    if eval_name is not None and "data.eval_source" not in found:
+        found["data.eval_source"] = next(rev for rev in found.values() if rev.repo_id == eval_name)
+    return found
+
+
+def _config_patterns(readme: str, config: str | None) -> list[str] | None:
+    """The files of configuration ``config`` (None: the only or the default one) that the dataset
+    card ``readme`` declares in its metadata; None when it declares no configs (every file is data)."""
+    import yaml
+
+    if not readme.startswith("---"):
+        return None
+    meta = yaml.safe_load(readme[3:].split("\n---", 1)[0]) or {}
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    if not configs:
+        return None
+    chosen = [c for c in configs if c.get("config_name", "default") == config] if config else configs
+    if config is None and len(configs) > 1:
+        chosen = [c for c in configs if c.get("default")]
+    patterns: list[str] = []
+    for c in chosen:
+        files = c.get("data_files", [])
+        for item in [files] if isinstance(files, str | dict) else files:
+            paths = item.get("path", []) if isinstance(item, dict) else item
+            patterns += [paths] if isinstance(paths, str) else list(paths)
+    return patterns
+
+
+def hub_dataset_dir(rev: HubRevision, config: str | None, key: str) -> Path:
+    """The snapshot of Hub dataset ``rev`` at its commit in the Hugging Face cache, holding its card
+    and the files of configuration ``config``: fetched from the Hub (``HF_ENDPOINT``) if need be, or
+    as the cache holds it when ``rev`` came from the cache (offline, or the Hub unreachable).
+    Refused (``ValueError`` naming ``key``) when it can be neither fetched nor found."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    # From the cache alone when the Hub is known to be out of reach: no retries against it.
+    where = {"repo_type": "dataset", "revision": rev.commit, "local_files_only": rev.cached is not None}
+    try:
+        readme = Path(hf_hub_download(rev.repo_id, "README.md", **where))
+        files = _config_patterns(readme.read_text(errors="replace"), config)
+        patterns = None if files is None else ["README.md", *files]
+    except (RemoteEntryNotFoundError, LocalEntryNotFoundError):  # no card, or none cached: every file is data
+        patterns = None
+    try:
+        return Path(snapshot_download(rev.repo_id, allow_patterns=patterns, **where))
+    except Exception as e:  # not cached and not reachable, an incomplete cached snapshot, refused
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise hub_refusal(key, rev.repo_id, "dataset", rev.commit, f"its files cannot be fetched ({reason})") from None
+
+
+def _load_raw(source: str | list[str], split: str, config: str | None = None, hub_dir: Path | None = None):
     from datasets import load_dataset
 
+    if hub_dir is not None:  # a Hub dataset, read from its snapshot at the resolved commit
+        return _load_repo(str(hub_dir), split, config, shown=str(source))
     repo = dataset_repo(source)
     if repo is not None:
         return _load_repo(repo, split, config)
@@ -169,16 +238,17 @@ def _load_raw(source: str | list[str], split: str, config: str | None = None):
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
 
 
-def _load_repo(repo: str, split: str, config: str | None):
-    """``load_dataset(repo, config, split)``, with a refusal naming the configs or splits that
-    exist (checked before loading for a local folder, which needs no network)."""
+def _load_repo(repo: str, split: str, config: str | None, shown: str | None = None):
+    """``load_dataset(repo, config, split)`` of a dataset folder (a local one, or a Hub dataset's
+    snapshot that refusals call ``shown``), with a refusal naming the configs or splits that exist."""
     from datasets import get_dataset_config_names, load_dataset
 
-    if Path(repo).expanduser().is_dir():
-        names = get_dataset_config_names(str(Path(repo).expanduser()))
-        if config not in names and not (config is None and len(names) == 1):
-            what = f"has no config {config!r}" if config else "has several configs"
-            raise ValueError(f"data.source {repo!r} {what}; set data.config to one of {names}")
+    if not Path(repo).expanduser().is_dir():  # a Hub name is read through hub_dataset_dir only
+        raise ValueError(f"data.source {repo!r} is not a dataset folder")
+    names = get_dataset_config_names(str(Path(repo).expanduser()))
+    if config not in names and not (config is None and len(names) == 1):
+        what = f"has no config {config!r}" if config else "has several configs"
+        raise ValueError(f"data.source {shown or repo!r} {what}; set data.config to one of {names}")
     try:
         return load_dataset(repo, name=config, split=split)
     except ValueError as e:  # unknown config or split of a Hub dataset: datasets names the choices
@@ -190,6 +260,8 @@ def _encoded_features(data: DataConfig):
     """``ids``, and for formats that mask, ``trained`` (text trains every token: no column)."""
     from datasets import Features, List, Value
 
+    if data.format == "preference":
+        return pair_features()
     trained = {"trained": List(Value("int8"))} if data.format != "text" else {}
     return Features({"ids": List(Value("int32")), **trained})
 
@@ -205,8 +277,9 @@ def _encode_procs(num_proc: int | None, num_examples: int) -> int | None:
     return min(cores, 8) if cores > 1 and num_examples >= 2000 else None
 
 
-def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | None):
-    """Every source's examples as ``ids`` and ``trained`` lists, weighted sources interleaved."""
+def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | None, hub_dirs: dict[str, Path]):
+    """Every source's examples as ``ids`` and ``trained`` lists, weighted sources interleaved;
+    ``hub_dirs``: the snapshot of each Hub dataset source, by config key."""
     from datasets import interleave_datasets
 
     parts = []
@@ -217,8 +290,12 @@ def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | 
                 "is plain data files (one split); drop data.eval_split and point data.eval_source at the evaluation "
                 "file(s), or hold examples out with data.eval_fraction"
             )
-        raw = _load_raw(source, split, data.config)
-        encoder = Encoder(data, tokenizer, resolve_columns(data, raw.column_names, f"{name} {source!r}"), name)
+        raw = _load_raw(source, split, data.config, hub_dirs.get(name))
+        where = f"{name} {source!r}"
+        if data.format == "preference":
+            encoder = PairEncoder(data, tokenizer, pair_columns(data, raw.column_names, where), name)
+        else:
+            encoder = Encoder(data, tokenizer, resolve_columns(data, raw.column_names, where), name)
         parts.append(
             raw.map(
                 encoder,
@@ -239,11 +316,11 @@ def _examples(data: DataConfig, tokenizer, sources, split: str, num_proc: int | 
     )
 
 
-def _split_examples(data: DataConfig, tokenizer, num_proc: int | None):
+def _split_examples(data: DataConfig, tokenizer, num_proc: int | None, hub_dirs: dict[str, Path]):
     """``(training examples, evaluation examples or None)``: the evaluation ones read from
     ``eval_source``/``eval_split``, or held out of the training examples by ``data.seed``."""
     sources = _source_entries(data)
-    examples = _examples(data, tokenizer, sources, data.split, num_proc)
+    examples = _examples(data, tokenizer, sources, data.split, num_proc, hub_dirs)
     if data.eval_fraction:
         n = len(examples)
         if n < 2 or math.ceil(n * data.eval_fraction) >= n:
@@ -256,7 +333,7 @@ def _split_examples(data: DataConfig, tokenizer, num_proc: int | None):
     if not data.has_eval:
         return examples, None
     eval_sources = sources if data.eval_source is None else [(data.eval_source, "data.eval_source")]
-    return examples, _examples(data, tokenizer, eval_sources, data.eval_split or data.split, num_proc)
+    return examples, _examples(data, tokenizer, eval_sources, data.eval_split or data.split, num_proc, hub_dirs)
 
 
 def _rows(data: DataConfig, examples, pad_id: int):
@@ -266,7 +343,10 @@ def _rows(data: DataConfig, examples, pad_id: int):
     row = List(Value("int32"), length=data.block_size)
     names = ["input_ids", "labels"] + (["position_ids"] if data.documents else [])
     counts = {name: Value("int64") for name in ("_kept", "_truncated", "_tokens", "_trained")}
-    if data.documents:
+    if data.format == "preference":
+        names.append("sequence_ids")
+        fn = partial(pair_rows, block_size=data.block_size, pad_id=pad_id, one_per_row=data.packing is False)
+    elif data.documents:
         split_long = data.format == "text"
         fn = partial(
             document_rows,
@@ -315,7 +395,8 @@ def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int 
     one, so the rows never depend on it. Raises ValueError naming the fault and the fix."""
     from transformers import AutoTokenizer
 
-    fingerprint = dataset_fingerprint(data, tokenizer_dir)
+    hub = _hub_revisions(data)
+    fingerprint = dataset_fingerprint(data, tokenizer_dir, {key: rev.commit for key, rev in hub.items()})
     out = Path(data.cache_dir) / fingerprint
     info_path = out / INFO_FILE
     if info_path.exists():
@@ -326,7 +407,8 @@ def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int 
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {tokenizer_dir} has no eos_token; packing needs one to end documents")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_ex, eval_ex = _split_examples(data, tokenizer, num_proc)
+    hub_dirs = {key: hub_dataset_dir(rev, data.config, key) for key, rev in hub.items()}
+    train_ex, eval_ex = _split_examples(data, tokenizer, num_proc, hub_dirs)
     train_rows, totals = _rows(data, train_ex, pad_id)
     if len(train_rows) == 0:
         _refuse_empty(data, train_ex, "training")
@@ -337,6 +419,7 @@ def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int 
             _refuse_empty(data, eval_ex, "evaluation")
 
     audit = build_audit(data, tokenizer, train_ex, train_rows, totals, eval_ex, eval_rows)
+    audit["lineage"] = data_lineage(data, hub, fingerprint)
     # A private temporary name, renamed into place: several nodes (or runs) may tokenize the
     # same data into a shared cache at once, and whichever finishes first wins.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -365,6 +448,33 @@ def tokenize_data(data: DataConfig, tokenizer_dir: str | Path, *, num_proc: int 
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenizedDataset(**json.loads(text))  # exactly what a later call reads back
+
+
+def lineage_name(key: str) -> str:
+    """A source's config key as a lineage entry's name (``data.source[1]`` → ``source_1``), one
+    MLflow takes as part of a param name."""
+    return key.removeprefix("data.").replace("[", "_").rstrip("]")
+
+
+def _source_identity(key: str, source: str | list[str], hub: dict[str, HubRevision]) -> dict:
+    """A Hub source's repo id and commit (and why it came from the cache, if it did); a local
+    one's file or folder name(s), never its path, and the digest of its contents."""
+    if key in hub:
+        rev = hub[key]
+        return {"key": key, "repo": rev.repo_id, "commit": rev.commit, **({"cached": rev.cached} if rev.cached else {})}
+    names = [Path(s).expanduser().resolve().name for s in ([source] if isinstance(source, str) else source)]
+    h = hashlib.sha256()
+    _hash_source(h, source)
+    return {"key": key, "path": names[0] if len(names) == 1 else names, "fingerprint": h.hexdigest()[:20]}
+
+
+def data_lineage(data: DataConfig, hub: dict[str, HubRevision], fingerprint: str) -> dict:
+    """What the rows were made from: each training source and a separate evaluation source
+    (``_source_identity``, by ``lineage_name``) and the rows' ``fingerprint``."""
+    sources = _source_entries(data)
+    if data.eval_source is not None:
+        sources.append((data.eval_source, "data.eval_source"))
+    return {**{lineage_name(key): _source_identity(key, s, hub) for s, key in sources}, "fingerprint": fingerprint}
 
 
 def tokenize_dataset(

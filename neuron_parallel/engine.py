@@ -23,7 +23,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .batches import Batch
+from .batches import Batch, to_device
 from .checkpoint.tensors import HFWeights
 from .config import JobConfig
 from .mesh import ParallelDims
@@ -118,7 +118,9 @@ class Engine:
         loss, the sum over its labelled tokens (the same value on every rank of the
         model-parallel group). ``last``: the last micro-batch before :meth:`reduce_and_clip`,
         whose backward starts the dp reduction of each gradient bucket as it completes (under
-        pipeline parallelism, at each stage's last microbatch)."""
+        pipeline parallelism, at each stage's last microbatch). Under a preference objective the
+        loss is that of the batch's pairs, and the value returned is :meth:`pair_stats` (the
+        summed loss first)."""
         if last and self.grad_reducer is not None:
             self.grad_reducer.arm(self.runner.num_microbatches if self.runner is not None else 1)
         self._attend(batch)
@@ -126,7 +128,11 @@ class Engine:
             if self.runner is not None:
                 self.runner.loss_scale = scale
                 return self.runner.step(*self._pipeline_args(batch))
-            loss = self.parts[0].loss(self._forward(batch), batch.labels.to(self.device))
+            if self.preference:
+                stats = self.pair_stats(batch)
+                (stats[0] * scale).backward()
+                return stats.detach()
+            loss = self.parts[0].loss(self._forward(batch), to_device(batch.labels, self.device))
             (loss * scale).backward()
         return full(loss.detach())
 
@@ -140,10 +146,57 @@ class Engine:
             with self._compute():
                 if self.runner is not None:
                     return self.runner.step(*self._pipeline_args(batch))
-                return full(self.parts[0].loss(self._forward(batch), batch.labels.to(self.device)))
+                if self.preference:
+                    return self.pair_stats(batch)
+                return full(self.parts[0].loss(self._forward(batch), to_device(batch.labels, self.device)))
         finally:
             for part in self.parts:
                 part.train()
+
+    @property
+    def preference(self) -> bool:
+        """Whether the job trains a preference objective (:mod:`neuron_parallel.preference`)."""
+        return self.job.train.objective != "sft"
+
+    def pair_stats(self, batch: Batch) -> torch.Tensor:
+        """The :data:`~neuron_parallel.preference.STATS` of ``batch``'s pairs, summed (a vector on
+        the device, the same on every rank of the tensor-parallel group): the policy's per-token
+        log-probabilities segment-summed per completion on the device, and under DPO the
+        reference's, from a forward of the base with the adapters off (LoRA, no gradient) or
+        from the reference step's values read with the rows."""
+        from .preference import pair_stats, sequence_logps
+
+        tc = self.job.train
+        labels = to_device(batch.labels, self.device)
+        seq_ids = to_device(batch.sequence_ids, self.device)
+        sums, counts = sequence_logps(self.parts[0].token_logps(self._forward(batch), labels), seq_ids)
+        reference = None
+        if tc.objective == "dpo":
+            if batch.reference is not None:
+                reference = to_device(batch.reference, self.device).view(sums.shape)
+            else:
+                with torch.no_grad(), self._adapters_off():
+                    reference, _ = sequence_logps(self.parts[0].token_logps(self._forward(batch), labels), seq_ids)
+        return pair_stats(tc.objective, tc.preference, sums, counts, reference)
+
+    @contextlib.contextmanager
+    def _adapters_off(self):
+        """The frozen base alone: every LoRA adapter of this rank's stages switched off."""
+        from .parallel.lora import LoRALinear
+
+        layers = [m for part in self.parts for m in part.modules() if isinstance(m, LoRALinear)]
+        if not layers:
+            raise ValueError(
+                "train.objective=dpo without train.lora needs the reference step's log-probabilities "
+                "(job reference_path); run the reference step, or set train.lora"
+            )
+        for m in layers:
+            m.lora_enabled = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.lora_enabled = True
 
     def _attend(self, batch: Batch) -> None:
         """Rows that plain causal attention trains exactly (``batch.causal``, known on the host
@@ -153,10 +206,10 @@ class Engine:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """The final norm's output of the one stage."""
-        inputs = batch.inputs.to(self.device)
+        inputs = to_device(batch.inputs, self.device)
         if batch.positions is None:
             return self.parts[0](inputs, seq_len=inputs.shape[1])
-        return self.parts[0](inputs, batch.positions.to(self.device))
+        return self.parts[0](inputs, to_device(batch.positions, self.device))
 
     def _pipeline_args(self, batch: Batch) -> tuple:
         inputs = batch.inputs if self.has_first else None

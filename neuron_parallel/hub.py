@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, constants
@@ -42,11 +43,23 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .checkpoint.output import OWNER_FILE
+from .urls import PUBLIC_HUB
 
-__all__ = ["HubCommit", "base_model_license", "card_data_table", "upload_model", "write_model_card"]
+if TYPE_CHECKING:
+    from .promotion import Evaluation
+
+__all__ = [
+    "HubCommit",
+    "base_model_license",
+    "card_data_table",
+    "published_config",
+    "published_name",
+    "upload_model",
+    "write_model_card",
+]
 
 # Endpoints that speak Xet. Any other endpoint (a self-hosted Hub, a test server) gets plain LFS uploads.
-_XET_ENDPOINTS = ("https://huggingface.co", "https://hub-ci.huggingface.co")
+_XET_ENDPOINTS = (PUBLIC_HUB, "https://hub-ci.huggingface.co")
 # What upload_folder skips by default: git metadata, and the bookkeeping hf_hub_download(local_dir=...) writes.
 _SKIPPED_DIRS = (".git",)
 _SKIPPED_PREFIXES = (".cache/huggingface/", OWNER_FILE)
@@ -76,8 +89,16 @@ def write_model_card(
     config: dict | None = None,
     loss_curve: str | None = None,
     license: str | None = None,
+    lineage: dict | None = None,
+    evaluation: Evaluation | None = None,
 ) -> Path:
     """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a description of the run.
+    ``lineage`` (``neuron_parallel.lineage.run_lineage``) adds a section naming the base model's and
+    each data source's identity (a Hub repo's commit, a local one's name and fingerprint), the
+    tokenized data's fingerprint and the package versions. ``evaluation`` (the evaluate step's,
+    ``neuron_parallel.promotion``) adds its figures to the metadata's ``model-index``
+    (``ModelCard.load(...).data.eval_results``) and a section with the figures beside the
+    baseline's, the gate's verdict and the sample generations.
 
     The metadata says ``library_name: transformers`` (``peft`` and the ``lora`` tag for a peft adapter
     directory, one with ``adapter_config.json``), carries the ``neuron-flows`` tag and ``license``
@@ -86,9 +107,11 @@ def write_model_card(
     reader. The body names the base model and data, tabulates ``summary`` (e.g. steps, final loss,
     parallel layout, hardware), embeds ``loss_curve`` (an image file in ``model_dir``, linked by its
     relative path so it shows on the Hub next to the card), tabulates ``data`` (e.g.
-    :func:`card_data_table`), shows how to load the model from ``repo_id`` (or from ``model_dir``
-    when there is no repo id yet): an adapter onto its base model with peft, and the merged model of
-    a ``merged/`` folder beside it; and ends with ``config`` as a YAML block.
+    :func:`card_data_table`), shows how to load the model from ``repo_id`` (or from
+    ``path/to/<model_dir's name>`` when there is no repo id yet): an adapter onto its base model
+    with peft, and the merged model of a ``merged/`` folder beside it; and ends with ``config`` as a
+    YAML block. The card holds no absolute local path: a local model, dataset or file is named by
+    its last component, in ``summary`` and ``config`` too (:func:`published_config`).
 
     Returns the path of the card. Raises ``ValueError`` if ``model_dir`` is missing or has neither
     ``config.json`` nor ``adapter_config.json``, or if ``loss_curve`` is not a file in it.
@@ -99,6 +122,14 @@ def write_model_card(
     adapter = _adapter_config(model_dir)
     hub_base = base_model if _is_hub_repo_id(base_model) else None
     hub_datasets = [name for name in datasets if _is_hub_repo_id(name)]
+    title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
+    results = {}
+    if evaluation is not None and evaluation.model:
+        from .promotion import card_eval_results
+
+        on = ", ".join(published_name(name) for name in datasets) or "the eval rows"
+        name, found = card_eval_results(evaluation, model_name=title, dataset=on)
+        results = {"model_name": name, "eval_results": found}
     metadata = ModelCardData(
         library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
@@ -106,10 +137,12 @@ def write_model_card(
         base_model=hub_base,
         datasets=hub_datasets or None,
         license=license,
+        **results,
     )
-    reference = repo_id or str(model_dir.resolve())
-    title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
+    reference = repo_id or f"path/to/{model_dir.resolve().name}"
+    summary = published_config(summary)
     lines = _card_intro(title, base_model, datasets, summary, adapter) + _loss_and_data(loss_curve, data or {})
+    lines += _evaluation(evaluation) + _lineage(lineage or {})
     lines += _usage(reference, base_model, model_dir, adapter) + _configuration(config)
     card = ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n".join(lines))
     path = model_dir / "README.md"
@@ -253,11 +286,39 @@ def _model_files(model_dir: Path) -> Iterator[tuple[str, Path]]:
                 yield path_in_repo, local
 
 
+def published_name(name: str) -> str:
+    """How a published file names a model, a dataset or a file: a Hub repo id as it is, a local
+    path by its last component only (the rest is this machine's layout, and may say who runs it)."""
+    return name if _is_hub_repo_id(name) else Path(os.path.abspath(Path(name).expanduser())).name
+
+
+def _is_local_path(value: str) -> bool:
+    """Whether ``value`` is an absolute path (``~`` included) or one that exists here."""
+    try:
+        path = Path(value).expanduser()
+        return path.is_absolute() or path.exists()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte: not a path
+        return False
+
+
+def published_config(value: object) -> object:
+    """``value`` (a run's configuration or summary: mappings, lists, strings, numbers) as a
+    published file may hold it: every string that is an absolute local path, or a path that
+    exists here, becomes its last component (:func:`published_name`); the rest is kept."""
+    if isinstance(value, dict):
+        return {k: published_config(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [published_config(v) for v in value]
+    if isinstance(value, str) and _is_local_path(value):
+        return published_name(value)
+    return value
+
+
 def _describe(name: str, kind: str, url_prefix: str) -> str:
     """A Hub id as a link; of a local path only the last component (the rest is this machine's layout)."""
     if _is_hub_repo_id(name):
-        return f"[{name}](https://huggingface.co/{url_prefix}{name})"
-    return f"a local {kind} (`{Path(name).name}`)"
+        return f"[{name}]({PUBLIC_HUB}/{url_prefix}{name})"
+    return f"a local {kind} (`{published_name(name)}`)"
 
 
 def _md_table(rows: dict[str, object]) -> list[str]:
@@ -276,7 +337,7 @@ def _loss_and_data(loss_curve: str | None, data: dict[str, object]) -> list[str]
 def _configuration(config: dict | None) -> list[str]:
     if not config:
         return []
-    dumped = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip()
+    dumped = yaml.safe_dump(published_config(config), sort_keys=False, allow_unicode=True).strip()
     return [
         "## Configuration",
         "",
@@ -311,6 +372,48 @@ def _card_intro(
     return lines
 
 
+def _evaluation(evaluation: Evaluation | None) -> list[str]:
+    """The evaluate step's figures (beside the baseline's), the gate's verdict, the generations."""
+    if evaluation is None or not (evaluation.model or evaluation.generations):
+        return []
+    from .promotion import prompt_text
+
+    lines = ["## Evaluation", ""]
+    base = {"base": "base model", "hub": "published model"}.get(evaluation.baseline_kind or "")
+    if evaluation.model:
+        lines += [f"| Metric | This model |{f' {base} |' if base else ''}", f"| --- | --- |{' --- |' if base else ''}"]
+        for key, value in evaluation.model.items():
+            other = evaluation.baseline.get(key)
+            shown = f" {_md_cell(other) if other is not None else '-'} |" if base else ""
+            lines.append(f"| {_md_cell(key)} | {_md_cell(value)} |{shown}")
+        lines.append("")
+    if base:
+        lines += [f"Gate ({'promoted' if evaluation.promoted else 'not promoted'}): {_md_cell(evaluation.reason)}", ""]
+    if evaluation.generations:
+        lines += ["### Sample generations", "", "Greedy decoding of each prompt.", ""]
+        lines += ["| Prompt | Completion |", "| --- | --- |"]
+        lines += [
+            f"| {_md_cell(prompt_text(g['prompt']))} | {_md_cell(g['completion'])} |" for g in evaluation.generations
+        ]
+        lines.append("")
+    return lines
+
+
+def _lineage(lineage: dict) -> list[str]:
+    """What the model was trained from, by identity: no local path, only names and digests."""
+    from .lineage import describe_identity, identity
+
+    if not lineage:
+        return []
+    rows = {"base model": describe_identity(identity(lineage.get("model")))}
+    for name, entry in (lineage.get("data") or {}).items():
+        if isinstance(entry, dict):
+            rows[entry.get("key", name)] = describe_identity(identity(entry))
+    rows["tokenized data"] = f"fingerprint {(lineage.get('data') or {}).get('fingerprint')}"
+    rows["versions"] = ", ".join(f"{k} {v}" for k, v in (lineage.get("versions") or {}).items())
+    return ["## Lineage", "", *_md_table(rows), ""]
+
+
 def _usage(reference: str, base_model: str, model_dir: Path, adapter: dict | None) -> list[str]:
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     quoted = json.dumps(reference)  # a valid Python string literal, whatever the path contains
@@ -320,7 +423,7 @@ def _usage(reference: str, base_model: str, model_dir: Path, adapter: dict | Non
         if _is_hub_repo_id(base_model):
             base_line = f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base_model)})"
         else:
-            base_path = json.dumps(f"path/to/{Path(base_model).name}")
+            base_path = json.dumps(f"path/to/{published_name(base_model)}")
             base_line = f"base = AutoModelForCausalLM.from_pretrained({base_path})  # the local base model"
         lines += ["from peft import PeftModel", "", base_line]
         lines.append(f"model = PeftModel.from_pretrained(base, {quoted})")

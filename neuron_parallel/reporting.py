@@ -234,6 +234,38 @@ def _log_params(client, run_id: str, params: dict[str, str], logged: dict[str, s
     client.log_batch(run_id, params=new, tags=changed)
 
 
+def report_evaluation(
+    run_dir: str | Path, report_to: list[str], *, step: int, figures: dict[str, float], texts: dict[str, str]
+) -> None:
+    """The evaluate step's ``figures`` (as ``evaluate/<figure>``) and ``texts`` (markdown, by tag)
+    at ``step`` to the trackers of ``report_to``: TensorBoard (a writer of its own in the run's
+    folder, text under its tag) and the run's MLflow run (the one training reported to, else a new
+    one; text as the artifact ``<tag>.md``)."""
+    run_dir = Path(run_dir)
+    # MLflow takes letters, digits and _ - . / space in a metric name; lm-eval filter names may hold others.
+    values = {
+        "evaluate/" + "".join(c if c.isalnum() or c in "_-./ " else "_" for c in k): v for k, v in figures.items()
+    }
+    if "tensorboard" in report_to:
+        board = _TensorBoard(run_dir / TENSORBOARD_DIR, step)
+        board.log(step, values)
+        for tag, text in texts.items():
+            board.writer.add_text(tag, text, global_step=step)
+        board.close(False)
+    if "mlflow" in report_to:
+        if not (run_dir / MLFLOW_RUN_FILE).is_file():
+            _MLflow(run_dir, step, {}).close(False)  # creates the run and records it there
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        saved = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())
+        client = MlflowClient(saved["tracking_uri"])
+        now = int(time.time() * 1000)
+        client.log_batch(saved["run_id"], metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
+        for tag, text in texts.items():
+            client.log_text(saved["run_id"], text, f"{tag}.md")
+
+
 def tag_mlflow_run(run_dir: str | Path, tags: dict[str, str]) -> str | None:
     """Set ``tags`` (e.g. where the consolidated model went) on the MLflow run of ``run_dir``; the
     run id, or None when the run did not report to MLflow."""

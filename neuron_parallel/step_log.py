@@ -54,6 +54,11 @@ class PendingStep:
     """0-d: the summed token loss over the global batch (the same on every rank)."""
     grad_norm: torch.Tensor
     """0-d: the global gradient norm before clipping."""
+    pairs: int | None = None
+    """Preference objectives: the pairs of the global batch (counted on the host), by which the
+    loss and ``pair_sums`` are divided instead of the labelled tokens."""
+    pair_sums: torch.Tensor | None = None
+    """Preference objectives: ``neuron_parallel.preference.STATS`` summed over the global batch."""
 
 
 class StepRows:
@@ -82,13 +87,14 @@ class StepRows:
             self.t_open = now
             return []
         share = (now - self.t_open) / len(pending)
-        values = torch.stack([torch.stack([p.loss_sum.float(), p.grad_norm.float()]) for p in pending]).tolist()
+        values = torch.stack([self._values(p) for p in pending]).tolist()
         rows = []
-        for i, (p, (loss_sum, grad_norm)) in enumerate(zip(pending, values)):
+        for i, (p, (loss_sum, grad_norm, *pair_sums)) in enumerate(zip(pending, values)):
+            count = p.trained_tokens if p.pairs is None else p.pairs
             rows.append(
                 {
                     "step": p.step,
-                    "loss": loss_sum / max(p.trained_tokens, 1),
+                    "loss": loss_sum / max(count, 1),
                     "lr": p.lr,
                     "grad_norm": grad_norm,
                     "tokens_per_s": self.tokens_per_step / share,
@@ -98,8 +104,19 @@ class StepRows:
                     "elapsed_s": self.t_open - self.t_start + share * (i + 1),
                 }
             )
+            if p.pairs is not None:
+                from .preference import stats_row
+
+                rows[-1].update({**stats_row(pair_sums, p.pairs), "pairs": p.pairs})
         self.t_open = now
         return rows
+
+    @staticmethod
+    def _values(p: PendingStep) -> torch.Tensor:
+        """The loss and gradient norm of ``p``, then its pair sums where it has them (every pending
+        step of a run has the same kind)."""
+        head = torch.stack([p.loss_sum.float(), p.grad_norm.float()])
+        return head if p.pair_sums is None else torch.cat([head, p.pair_sums.float()])
 
     def restart(self) -> None:
         """Open the next window now, once the device has finished what came since :meth:`close`."""

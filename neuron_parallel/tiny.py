@@ -84,9 +84,10 @@ def make_tiny_world(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 204
     ``shape`` overrides entries of ``TINY_MODEL_SHAPE`` (e.g. ``num_hidden_layers=8``).
     Also writes ``out_dir/qwen2`` (Qwen2 architecture, tied embeddings, same tokenizer with the
     ChatML chat template), ``out_dir/wikitext``, ``out_dir/chat.jsonl`` (``chat_rows``) and
-    ``out_dir/alpaca.jsonl`` (``alpaca_rows``) and ``out_dir/chat_templates`` (a copy of
+    ``out_dir/alpaca.jsonl`` (``alpaca_rows``), ``out_dir/preference.jsonl`` (``preference_rows``)
+    and ``out_dir/chat_templates`` (a copy of
     ``TEMPLATES``). Returns the paths by name (``model``, ``corpus``, ``qwen2``, ``wikitext``,
-    ``chat``, ``alpaca``, ``chat_templates``).
+    ``chat``, ``alpaca``, ``chat_templates``, ``preference``).
     """
     from transformers import LlamaConfig, Qwen2Config
 
@@ -111,6 +112,7 @@ def make_tiny_world(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 204
         (out / "chat_templates" / template.name).write_text(template.read_text())
     _write_jsonl(out / "chat.jsonl", [{"messages": m} for m in chat_rows(seed=seed)])
     _write_jsonl(out / "alpaca.jsonl", alpaca_rows(seed=seed))
+    _write_jsonl(out / "preference.jsonl", preference_rows(seed=seed))
     return {
         "model": str(model_dir),
         "corpus": str(corpus),
@@ -119,7 +121,18 @@ def make_tiny_world(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 204
         "chat": str(out / "chat.jsonl"),
         "alpaca": str(out / "alpaca.jsonl"),
         "chat_templates": str(out / "chat_templates"),
+        "preference": str(out / "preference.jsonl"),
     }
+
+
+def make_tiny_llama(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 2048, **shape) -> str:
+    """Only the tiny Llama of ``make_tiny_world`` (config, weights and its tokenizer) in ``out_dir``,
+    ``shape`` overriding entries of ``TINY_MODEL_SHAPE``; returns the directory."""
+    from transformers import LlamaConfig
+
+    tokenizer = train_tokenizer(corpus_documents(), vocab_size=vocab_size)
+    _save_model(LlamaConfig(**{**TINY_MODEL_SHAPE, **shape}), tokenizer, Path(out_dir), seed)
+    return str(out_dir)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -183,6 +196,25 @@ def alpaca_rows(num_rows: int = 200, *, seed: int = 0) -> list[dict]:
         else:
             rows.append({"instruction": "Continue this passage from the Python documentation."})
             rows[-1].update(input=" ".join(words[:lead]) or name, output=" ".join(words[lead : lead + n]) or name)
+    return rows
+
+
+PREFERRED_ANSWER = "See the Python documentation."
+"""The chosen completion of every generated preference pair (``preference_rows``)."""
+
+
+def preference_rows(num_rows: int = 200, *, seed: int = 0) -> list[dict]:
+    """Preference pairs (prompt, chosen, rejected) from the pydoc topics: the prompt a question
+    about a topic, the chosen completion always :data:`PREFERRED_ANSWER`, the rejected one 3 to 8
+    random words of the topic: a preference a tiny model learns in a few dozen steps.
+    Deterministic for a given seed."""
+    rng = random.Random(seed + 2)
+    topics = _topics()
+    rows = []
+    for _ in range(num_rows):
+        name, words = rng.choice(topics)
+        rejected = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8))) or name
+        rows.append({"prompt": rng.choice(QUESTIONS).format(name), "chosen": PREFERRED_ANSWER, "rejected": rejected})
     return rows
 
 

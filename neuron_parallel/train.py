@@ -37,20 +37,23 @@ from .checkpoint.engine_state import (
     optim_tensors,
 )
 from .checkpoint.format import TRAINER_STATE, base_model_identity, check_base_model
+from .checkpoint.output import OutputDirRefused, check_run_dir, claim_run_dir
 from .checkpoint.resume import find_resume_checkpoint
 from .checkpoint.save import CheckpointSaveFailed
 from .config import JobConfig
 from .engine import Engine, build_engine
 from .launch import AWAIT_JOB, EVENT_PREFIX
+from .lineage import SourcesChanged, check_same_sources
 from .memprof import RankMemoryProbe
 from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, local_device
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
+from .preference import PAIR_LOSS_RULE, STATS, stats_row
 from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes, read_metrics
 from .run_files import JOB_FILE, MEMORY_FILE, METRICS_FILE
 from .step_log import PendingStep, StepRows
-from .utils import write_line
+from .utils import read_json, write_line
 
 FAIL_AFTER_ENV = "NEURON_FLOWS_FAIL_AFTER_STEP"
 """Failure injection for tests: every rank exits with status 3 right after the checkpoint of this
@@ -181,6 +184,8 @@ class Trainer:
         while step < tc.max_steps and not self.eval_state.stopped_early:
             step += 1
             rows.add(self.train_step(step))
+            if step == start_step + 1 and self.job.launch.start_timeout_s != self.job.launch.timeout_s:
+                self.dims.set_timeout(self.job.launch.timeout_s)  # this start's graphs are compiled
             evaluates = self.eval_rows is not None and (step == tc.max_steps or _every(step, tc.eval_every))
             saves = step == tc.max_steps or _every(step, tc.save_every)
             if not (evaluates or saves or _every(step, tc.log_every)):
@@ -221,8 +226,10 @@ class Trainer:
         mbs, base = tc.micro_batch_size, (step - 1) * job.global_batch_size
         batches = [self.stream.batch(base + a * mbs * dp + self.dp_rank * mbs, mbs) for a in range(job.grad_accum)]
         num_targets = self.stream.num_targets(base, job.global_batch_size)
-        scale = dp / max(num_targets, 1)
-        loss_sum = torch.zeros((), device=self.engine.device)
+        pairs = self.stream.num_pairs(base, job.global_batch_size) if self.engine.preference else None
+        # PAIR_LOSS_RULE under a preference objective: the same rule with pairs in place of tokens.
+        scale = dp / max(num_targets if pairs is None else pairs, 1)
+        loss_sum = torch.zeros(() if pairs is None else (len(STATS),), device=self.engine.device)
         for a, batch in enumerate(batches):
             # The last micro-batch's backward starts the dp reduction, bucket by bucket.
             loss_sum += self.engine.forward_backward(batch, scale, last=a == len(batches) - 1)
@@ -233,6 +240,10 @@ class Trainer:
         lr = lr_at(step, tc)
         self.engine.optimizer_step(lr)
         loss_total.wait()
+        if pairs is not None:
+            return PendingStep(
+                step, lr, step * self.tokens_per_step, num_targets, loss_sum[0], grad_norm, pairs, loss_sum
+            )
         return PendingStep(step, lr, step * self.tokens_per_step, num_targets, loss_sum, grad_norm)
 
     def evaluate(self, step: int) -> dict:
@@ -250,15 +261,22 @@ class Trainer:
             self.engine.eval_loss(self.eval_rows.batch(start + self.dp_rank * mbs, mbs)).float()
             for start in range(0, self.eval_rows.num_rows, mbs * dp)
         ]
-        mine = torch.stack(rounds) if rounds else torch.zeros(0, device=device)
+        width = (len(STATS),) if self.engine.preference else ()
+        mine = torch.stack(rounds) if rounds else torch.zeros((0, *width), device=device)
         everyone = [torch.empty_like(mine) for _ in range(dp)]
         dist.all_gather(everyone, mine, group=self.dims.group("dp"))
-        total = sum(sum(sums) for sums in torch.stack(everyone).tolist())
         count = self.eval_rows.num_targets
-        eval_loss = total / max(count, 1)
+        if self.engine.preference:  # each round's STATS: the mean per-pair values over every eval pair
+            pairs = self.eval_rows.num_pairs
+            totals = torch.stack(everyone).double().sum(dim=(0, 1)).tolist()
+            fields = {**stats_row(totals, pairs, prefix="eval_"), "eval_tokens": count, "eval_pairs": pairs}
+            eval_loss = fields["eval_loss"]
+        else:
+            total = sum(sum(sums) for sums in torch.stack(everyone).tolist())
+            eval_loss = total / max(count, 1)
+            fields = {"eval_loss": eval_loss, "eval_tokens": count}
         patience = self.job.train.early_stopping_patience
         self.eval_state.update(eval_loss)
-        fields = {"eval_loss": eval_loss, "eval_tokens": count}
         emit("eval", step=step, eval_time_s=time.perf_counter() - t0, **fields)
         if patience and self.eval_state.evals_without_improvement >= patience:
             self.eval_state.stopped_early = True
@@ -296,26 +314,30 @@ class Trainer:
             "lr_schedule": {k: getattr(tc, k) for k in _LR_FIELDS},
             "seed": tc.seed,
             "rng": "per-step torch seed = seed * 100003 + step; data order from (seed, epoch)",
-            "loss_rule": LOSS_RULE,
+            "loss_rule": LOSS_RULE if tc.objective == "sft" else PAIR_LOSS_RULE,
             "eval": dataclasses.asdict(self.eval_state),
             "metrics": record,
+            "lineage": self.job.lineage,  # the model, data and versions trained on (neuron_parallel.lineage)
         }
 
 
 def run_training(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = None) -> None:
     """Train ``job`` on this rank (inside torchrun), in a process group joined for it and left
     after it; ``after_checkpoint`` hooks run after every checkpoint (see :data:`CheckpointHook`)."""
-    init_distributed(job.device, timeout_s=job.launch.timeout_s)
+    init_distributed(job.device, timeout_s=job.launch.start_timeout_s)
     train_job(job, after_checkpoint)
     close_distributed()
 
 
 def train_job(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = None) -> None:
     """Train ``job`` on this rank in the process group it is in (whose world is the job's);
-    ``run_training`` joins and leaves one around it."""
+    ``run_training`` joins and leaves one around it. An ``output_dir`` holding files neuron-flows
+    did not write is refused on every rank before anything is read or written."""
+    check_run_dir(job.output_dir)
     check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
     pc = job.parallel
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=job.launch.timeout_s)
+    timeout_s = job.launch.start_timeout_s  # launch.timeout_s once the first step is done (Trainer.run)
+    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=timeout_s)
     run_dir = Path(job.output_dir)
     probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
     with probe or contextlib.nullcontext():
@@ -333,12 +355,18 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     tc = job.train
     metrics_path = run_dir / METRICS_FILE
     torch.manual_seed(tc.seed)
-    stream = BlockStream(job.dataset_path, seed=tc.seed)
+    if tc.objective == "dpo" and tc.lora is None and job.reference_path is None:
+        raise ValueError(
+            "train.objective=dpo without train.lora needs the reference log-probabilities (job reference_path); "
+            "run the reference step before training, or set train.lora"
+        )
+    ref = Path(job.reference_path) if job.reference_path else None
+    stream = BlockStream(job.dataset_path, seed=tc.seed, reference=ref / "train" if ref else None)
     engine = build_engine(job, dims, local_device(job.device))
     base = _base_identity(job)
     start_step, eval_state = _resume(job, engine, run_dir, probe, base)
     if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir)
         _truncate_metrics(metrics_path, start_step)
     pc = job.parallel
     layout = {"tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, **batch_layout(job)}
@@ -354,7 +382,8 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     )
     for name in writer.remove_partial():
         emit("warning", message=f"removed {run_dir / name}, the partial folder of a checkpoint save cut short")
-    eval_rows = EvalRows(job.eval_dataset_path) if job.eval_dataset_path else None
+    eval_reference = ref / "eval" if ref and job.eval_dataset_path else None
+    eval_rows = EvalRows(job.eval_dataset_path, eval_reference) if job.eval_dataset_path else None
     trainer = Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks, eval_rows, eval_state, base)
     trainer.reporter = metrics_reporter(job, rank=dist.get_rank(), start_step=start_step)
     return trainer, start_step
@@ -384,10 +413,13 @@ def _resume(job: JobConfig, engine: Engine, run_dir: Path, probe, base: dict | N
         step = tensors.manifest.step
         if base is not None:
             check_base_model(tensors.manifest, base)
+        state_file = Path(shared[0]) / TRAINER_STATE
+        state = read_json(state_file) if state_file.is_file() else {}
+        if Path(shared[0]).parent.resolve() == run_dir.resolve():  # a retry: the same model and data only
+            check_same_sources(state.get("lineage"), job.lineage, shared[0])
         load_engine_state(engine, tensors, step)
         del tensors
-    state_file = Path(shared[0]) / TRAINER_STATE
-    saved = json.loads(state_file.read_text()).get("eval", {}) if state_file.is_file() else {}
+    saved = state.get("eval", {})
     emit("resumed", step=step, checkpoint=shared[0])
     return step, EvalState(**saved)
 
@@ -461,11 +493,12 @@ def _await_job(path: Path, poll_s: float = 0.02) -> None:
 
 
 def _why_stopped(error: Exception, job: JobConfig) -> str | None:
-    """What a rank that ``error`` stops says: a failed checkpoint save (every rank has it; rank 0
-    tells, the others say nothing) or a collective that waited past ``launch.timeout_s``. None
-    for any other error, which propagates with its traceback."""
+    """What a rank that ``error`` stops says: a failed checkpoint save, a refused run directory or a
+    checkpoint of another model or other data to resume (every rank has it; rank 0 tells, the others
+    say nothing) or a collective that waited past ``launch.timeout_s``. None for any other error,
+    which propagates with its traceback."""
     rank = os.environ.get("RANK", "0")
-    if isinstance(error, CheckpointSaveFailed):
+    if isinstance(error, CheckpointSaveFailed | OutputDirRefused | SourcesChanged):
         return f"error: {error}" if rank == "0" else ""
     text = str(error).strip()
     if not isinstance(error, RuntimeError) or not ("timed out" in text.lower() or "timeout" in text.lower()):

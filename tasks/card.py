@@ -1,14 +1,17 @@
 """The model card of a run's consolidated model: its training summary, its config with the
-planner's choices filled in, and the card written beside the weights with the loss curve."""
+planner's choices filled in, and the card written beside the weights with the loss curve. The card
+is published with the model, so it names local models, data and files by their last component
+only (``neuron_parallel.hub.published_config``)."""
 
 import json
 from pathlib import Path
 
 from neuron_parallel.config import PLANNED_FIELDS, JobConfig, resolve_precision
 from neuron_parallel.data import AUDIT_FILE
-from neuron_parallel.hub import base_model_license, card_data_table, write_model_card
+from neuron_parallel.hub import base_model_license, card_data_table, published_name, write_model_card
 from neuron_parallel.launch import TrainResult
 from neuron_parallel.planning.layout import CheckedLayout, describe_layout
+from neuron_parallel.promotion import Evaluation
 from neuron_parallel.reporting import loss_curve_png, read_metrics
 from neuron_parallel.run_files import JOB_FILE, LOSS_CURVE_FILE, METRICS_FILE
 
@@ -25,8 +28,9 @@ def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLay
         "layout": describe_layout(pc),
         "batch": f"{layout.global_batch_size} sequences of {config.data.block_size} tokens per step "
         f"(micro batch {layout.micro_batch_size} × accumulation {layout.grad_accum} × dp {pc.dp})",
-        "hardware": f"{config.hardware}: {config.launch.nnodes} node(s) × {config.launch.nproc_per_node} "
-        f"{config.launch.device} rank(s), {resolve_precision(pc.mixed_precision, config.launch.device)}",
+        "hardware": f"{published_name(config.hardware)}: {config.launch.nnodes} node(s) × "
+        f"{config.launch.nproc_per_node} {config.launch.device} rank(s), "
+        f"{resolve_precision(pc.mixed_precision, config.launch.device)}",
         "tokens seen": metrics.get("tokens_seen"),
     }
     lora = config.train.lora
@@ -38,7 +42,9 @@ def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLay
 def card_config(config: FinetuneConfig, layout: CheckedLayout) -> dict:
     """The run's configuration as the card shows it: the fields left ``auto`` hold what the
     planner chose, and ``parallel.mixed_precision`` the precision the run had, so that the block
-    runs the same layout and precision anywhere."""
+    runs the same layout and precision anywhere. ``train.resume_from`` is left out: a run started
+    from the card's config starts afresh (and the checkpoint is this machine's). The card writer
+    names the remaining local paths by their last component."""
     dumped = config.model_dump(mode="json")
     chosen = {"parallel": layout.parallel, "train": layout}
     for section, names in PLANNED_FIELDS.items():
@@ -46,11 +52,20 @@ def card_config(config: FinetuneConfig, layout: CheckedLayout) -> dict:
             if dumped[section][name] == "auto":
                 dumped[section][name] = getattr(chosen[section], name)
     dumped["parallel"]["mixed_precision"] = resolve_precision(layout.parallel.mixed_precision, config.launch.device)
+    dumped["train"]["resume_from"] = None
     return dumped
 
 
-def write_card(config: FinetuneConfig, model_dir: str, result: TrainResult, layout: CheckedLayout) -> None:
-    """The model card, with the loss curve beside it and the data as the tokenize step audited it."""
+def write_card(
+    config: FinetuneConfig,
+    model_dir: str,
+    result: TrainResult,
+    layout: CheckedLayout,
+    evaluation: Evaluation | None = None,
+) -> None:
+    """The model card, with the loss curve beside it, the data as the tokenize step audited it
+    and, given the evaluate step's ``evaluation``, its figures (the card's eval results) and
+    generations."""
     job = JobConfig.load(Path(result.run_dir) / JOB_FILE)
     audit_path = Path(job.dataset_path).parent / AUDIT_FILE  # beside the rows (see TokenizedDataset.path)
     audit = json.loads(audit_path.read_text()) if audit_path.is_file() else {}
@@ -66,4 +81,6 @@ def write_card(config: FinetuneConfig, model_dir: str, result: TrainResult, layo
         config=card_config(config, layout),
         loss_curve=LOSS_CURVE_FILE,
         license=base_model_license(job.model_path),
+        lineage=job.lineage,  # the base model's and the data's identities, as the checkpoints record them
+        evaluation=evaluation,
     )

@@ -1,11 +1,11 @@
 """The one user-facing configuration: YAML files, ``--set`` overrides and the Prefect UI form
 are all ``FinetuneConfig``.
 
-Its sections are built field by field from the library's dataclasses (``neuron_parallel.config``),
-so each field, its default and its docstring are written once. This module adds only what
-belongs to the boundary: ``auto`` for the fields the planner chooses (``PLANNED_FIELDS``), the
-output paths, the Hub, and the launch's retries and hardware kind. ``FinetuneConfig.to_job`` is
-the one place it becomes the library's ``JobConfig``.
+Its sections are built field by field from the library's dataclasses (``neuron_parallel.config``;
+``evaluate`` from ``neuron_parallel.evaluate``), so each field, its default and its docstring are
+written once. This module adds only what belongs to the boundary: ``auto`` for the fields the
+planner chooses (``PLANNED_FIELDS``), the output paths, the Hub, and the launch's retries and
+hardware kind. ``FinetuneConfig.to_job`` is the one place it becomes the library's ``JobConfig``.
 
 Schema and loading only, with the checks that need nothing but the config itself: the layout is
 chosen by the plan step and the machine, the files and the Hub are checked by the preflight step
@@ -43,9 +43,12 @@ from neuron_parallel.config import (
     ParallelConfig,
     TrainConfig,
     check_eval,
+    check_objective,
 )
+from neuron_parallel.evaluate import EvaluateConfig, GateConfig, check_gate
 from neuron_parallel.planning.layout import CheckedLayout
 from neuron_parallel.planning.resolve import DEVICE_HARDWARE, ResolvedLayout, check_pinned, pinned_layout
+from neuron_parallel.urls import PUBLIC_HUB, base_url, encrypted_or_local, redact_url
 
 AUTO = "auto"
 DERIVED = {
@@ -117,7 +120,8 @@ class OutputSection(_Section):
     dir: str = Field(
         ".runs/{flow_run_name}",
         description="Run directory: metrics, checkpoints, consolidated model. {flow_run_name} and {flow_run_id} "
-        "become the Prefect flow run's, so every run has its own directory and a retry of a run continues in it.",
+        "become the Prefect flow run's, so every run has its own directory and a retry of a run continues in it. "
+        "A new or empty directory (or one neuron-flows created): a folder holding other files is refused.",
     )
     consolidated_dir: str | None = Field(
         None,
@@ -129,9 +133,12 @@ class OutputSection(_Section):
 
     @field_validator("dir")
     @classmethod
-    def _not_a_file(cls, value: str) -> str:
-        if Path(value).expanduser().is_file():
-            raise ValueError(f"{value!r} is a file; output.dir names the run's directory (new, or an earlier run's)")
+    def _not_a_users_run_dir(cls, value: str) -> str:
+        """Training refuses such a folder too (``claim_run_dir``); this says so at load."""
+        if "{flow_run" not in value:
+            from neuron_parallel.checkpoint.output import RUN_DIR_FIX, check_output_dir
+
+            check_output_dir(Path(value).expanduser(), fix=RUN_DIR_FIX)
         return value
 
     @field_validator("consolidated_dir")
@@ -140,22 +147,47 @@ class OutputSection(_Section):
         """Consolidation refuses such a folder too (``claim_output_dir``); this says so at load,
         before hours of training, rather than after."""
         if value and "{flow_run" not in value:
-            from neuron_parallel.checkpoint.output import is_ours
+            from neuron_parallel.checkpoint.output import check_output_dir
 
-            path = Path(value).expanduser()
-            if path.is_file() or (path.is_dir() and any(path.iterdir()) and not is_ours(path)):
-                raise ValueError(
-                    f"{value!r} already holds files neuron-flows did not write (consolidation would refuse to write "
-                    "there after training); name a new or empty directory, or unset it (output.dir/consolidated)"
-                )
+            check_output_dir(Path(value).expanduser(), fix="or unset it (output.dir/consolidated)")
         return value
+
+
+ALLOWED_HUB_ENDPOINTS_ENV = "NEURON_FLOWS_ALLOWED_HUB_ENDPOINTS"
+"""Comma list of Hub base URLs (scheme, host and port, as ``hub.endpoint`` is written) that
+``hub.endpoint`` may name besides the public Hub and ``HF_ENDPOINT``. Read from the environment of
+the worker and of ``neuron-flows``, never from a config: the operator, not whoever starts a run,
+decides where the Hub token is sent."""
+
+
+def allowed_hub_endpoints() -> set[str]:
+    """The base URLs (``base_url`` form) ``hub.endpoint`` may name: the public Hub, ``HF_ENDPOINT``
+    when set and each entry of ``NEURON_FLOWS_ALLOWED_HUB_ENDPOINTS``. A loopback endpoint is
+    allowed only when one of these names it. Raises ValueError naming the variable whose entry
+    is not a base URL."""
+    allowed = {PUBLIC_HUB}
+    for name in ("HF_ENDPOINT", ALLOWED_HUB_ENDPOINTS_ENV):
+        for entry in os.environ.get(name, "").split(","):
+            if entry.strip():
+                try:
+                    allowed.add(base_url(entry))
+                except ValueError as e:
+                    raise ValueError(
+                        f"${name}: {entry.strip()!r} {e}; write base URLs (scheme://host[:port]) separated by "
+                        "commas, e.g. https://hub.example.org,http://127.0.0.1:8080"
+                    ) from None
+    return allowed
 
 
 class HubSection(_Section):
     """Where the consolidated model is uploaded."""
 
     repo_id: str | None = Field(None, description="Hub repo to upload to; empty skips the upload.")
-    endpoint: str | None = Field(None, description="Hub URL; default the public Hub (or HF_ENDPOINT).")
+    endpoint: str | None = Field(
+        None,
+        description="Hub URL; default the public Hub (or HF_ENDPOINT). Any other must be listed by the operator in "
+        "NEURON_FLOWS_ALLOWED_HUB_ENDPOINTS, in the environment of the worker and of neuron-flows.",
+    )
     private: bool = True
     token_secret: str | None = Field(
         None, description="Name of a Prefect Secret block holding the token; else HF_TOKEN."
@@ -168,17 +200,26 @@ class HubSection(_Section):
 
     @field_validator("endpoint")
     @classmethod
-    def _https(cls, value: str | None) -> str | None:
-        """The Hub token goes with every request: only over TLS, or to this machine itself."""
+    def _allowed(cls, value: str | None) -> str | None:
+        """The Hub token goes with every request: only over TLS, or to this machine itself, and
+        only to an endpoint the operator allows (``allowed_hub_endpoints``)."""
         if value:
-            from urllib.parse import urlparse
-
-            url = urlparse(value)
-            local = url.hostname in ("localhost", "127.0.0.1", "::1")
-            if url.scheme != "https" and not (url.scheme == "http" and local):
+            try:
+                url = base_url(value)
+            except ValueError as e:
+                shown = redact_url(value) if "@" in value else value  # user info may be a password
+                raise ValueError(f"{shown!r} {e}; write the Hub's base URL, e.g. https://hub.example.org") from None
+            if not encrypted_or_local(value):
                 raise ValueError(
                     f"{value!r} is not an https:// URL; the Hub token would travel unencrypted. Use https://…, or "
                     "http:// only for a server on this machine (localhost)"
+                )
+            if url not in allowed_hub_endpoints():
+                raise ValueError(
+                    f"{value!r} is not a Hub endpoint this machine allows; the Hub token goes only to {PUBLIC_HUB}, "
+                    f"$HF_ENDPOINT and the base URLs in ${ALLOWED_HUB_ENDPOINTS_ENV}: to allow it, the operator "
+                    f"adds {url} to {ALLOWED_HUB_ENDPOINTS_ENV} in the environment of the worker and of "
+                    "neuron-flows; or unset hub.endpoint"
                 )
         return value
 
@@ -199,12 +240,17 @@ class HubSection(_Section):
         return value
 
 
+# The gate is a dataclass inside the section: its fields' docstrings reach the form this way.
+with_config(ConfigDict(use_attribute_docstrings=True))(GateConfig)
+EvaluateSection = _section(EvaluateConfig, "evaluate")
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
     "parallel": ParallelConfig,
     "train": TrainConfig,
     "launch": LaunchConfig,
+    "evaluate": EvaluateConfig,
 }
 """The sections that are library dataclasses, by name."""
 
@@ -219,6 +265,7 @@ class FinetuneConfig(_Section):
     launch: LaunchSection = Field(default_factory=LaunchSection)
     output: OutputSection = Field(default_factory=OutputSection)
     hub: HubSection = Field(default_factory=HubSection)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
 
     @model_validator(mode="after")
     def _check(self) -> FinetuneConfig:
@@ -229,6 +276,8 @@ class FinetuneConfig(_Section):
         # An auto micro batch is chosen (and checked) with the layout.
         train = self.library("train", micro_batch_size=1)
         check_eval(data, train)
+        check_objective(data, train)
+        check_gate(self.library("evaluate"), has_eval_rows=data.has_eval, hub_repo_id=self.hub.repo_id)
         if train.resume_from and "{flow_run" not in train.resume_from and not Path(train.resume_from).exists():
             raise ValueError(
                 f"train.resume_from={train.resume_from!r} does not exist; name a run directory or one of its "
@@ -265,13 +314,15 @@ class FinetuneConfig(_Section):
         return self.launch.hardware or DEVICE_HARDWARE[self.launch.device]
 
     def for_run(self, name: str, run_id: str) -> FinetuneConfig:
-        """This config with ``{flow_run_name}`` and ``{flow_run_id}`` in the output paths filled in."""
-        out = self.output.model_copy()
-        for key in ("dir", "consolidated_dir"):
-            value = getattr(out, key)
-            if value:
-                setattr(out, key, value.replace("{flow_run_name}", name).replace("{flow_run_id}", run_id))
-        return self.model_copy(update={"output": out})
+        """This config with ``{flow_run_name}`` and ``{flow_run_id}`` in the output paths filled in.
+        The folders they name are checked by the preflight step (``steps.preflight``), not here, so
+        that a refusal is that step's, with its message."""
+        filled = {
+            key: value.replace("{flow_run_name}", name).replace("{flow_run_id}", run_id)
+            for key in ("dir", "consolidated_dir")
+            if (value := getattr(self.output, key))
+        }
+        return self.model_copy(update={"output": self.output.model_copy(update=filled)})
 
     @property
     def consolidated_path(self) -> str:
@@ -294,6 +345,7 @@ class FinetuneConfig(_Section):
         dataset_path: str,
         layout: ResolvedLayout | CheckedLayout,
         eval_dataset_path: str | None = None,
+        reference_path: str | None = None,
     ) -> JobConfig:
         """The library's view of this run, given the resolved model and dataset locations and the
         layout (``pinned_layout``, or the plan step's checked one)."""
@@ -301,6 +353,7 @@ class FinetuneConfig(_Section):
             model_path=model_path,
             dataset_path=dataset_path,
             eval_dataset_path=eval_dataset_path,
+            reference_path=reference_path,
             output_dir=self.output.dir,
             data=self._job_data(),
             parallel=layout.parallel,

@@ -14,7 +14,9 @@ from .config import FinetuneConfig
 
 
 @task(name="train", **STEP_POLICY)
-def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayout) -> TrainResult:
+def train(
+    config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayout, reference_path: str | None = None
+) -> TrainResult:
     """Safe to retry: training resumes from the newest complete checkpoint in output.dir."""
     log = get_run_logger()
     progress = create_progress_artifact(progress=0.0, key="train-progress", description="training steps done")
@@ -25,4 +27,6 @@ def train(config: FinetuneConfig, dataset: TokenizedDataset, layout: CheckedLayo
             update_progress_artifact(progress, progress=100.0 * event["step"] / event["max_steps"], description=done)
         log.info("%s", format_event(event))
 
-    return steps.train(config, dataset, layout, on_event=on_event, log=log.info, on_line=log.debug)
+    return steps.train(
+        config, dataset, layout, on_event=on_event, log=log.info, on_line=log.debug, reference_path=reference_path
+    )

@@ -3,17 +3,70 @@ local Prefect server, and helpers that launch real torchrun jobs."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import random
+import shutil
 import signal
+import socket
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The session's own Hugging Face home (``HF_CACHES``), set before huggingface_hub, datasets or
+# transformers is imported.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="neuron-flows-tests-hf-")
+os.environ.update(
+    {
+        "HF_HUB_CACHE": os.path.join(os.environ["HF_HOME"], "hub"),
+        "HF_DATASETS_CACHE": os.path.join(os.environ["HF_HOME"], "datasets"),
+        "HF_XET_CACHE": os.path.join(os.environ["HF_HOME"], "xet"),
+        "HF_ASSETS_CACHE": os.path.join(os.environ["HF_HOME"], "assets"),
+    }
+)
+os.environ.pop("HUGGINGFACE_HUB_CACHE", None)  # older names that would win over HF_HOME
+os.environ.pop("TRANSFORMERS_CACHE", None)
+
 import pytest
 
+from neuron_flows.tasks.config import ALLOWED_HUB_ENDPOINTS_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
+HF_CACHES = os.environ["HF_HOME"]
+"""The session's own Hugging Face home: what a test fetches, prepares or caches never lands in the
+user's ``~/.cache/huggingface``, and nothing cached there is seen by a test. It is in ``os.environ``,
+so every process a test starts (CLI commands, services, ranks) uses it too; removed at exit."""
+atexit.register(shutil.rmtree, HF_CACHES, ignore_errors=True)
+
+
+def _port_outside_the_ephemeral_range() -> int:
+    """A free loopback port below the range the kernel hands out to ``bind(("", 0))`` and to
+    outgoing connections, so nothing else of the session takes it between now and its use."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low} for the Hub stand-in")
+
+
+HUB_PORT = _port_outside_the_ephemeral_range()
+"""The port of the Hub stand-in (``tests/hub_server.py``, ``LocalHub(..., port=HUB_PORT)``) of the
+tests that run the pipeline against it: the one loopback Hub this session's operator allows."""
+UNREACHABLE_HUB = "https://127.0.0.1:9"
+"""An allowed Hub endpoint where nothing listens (the discard port)."""
+# The operator's list of Hub endpoints, for this process and every process it starts (CLI
+# commands, `neuron-flows serve`, its worker and flow runs). Set at import, before the warm ranks'
+# environment is taken (``_SESSION_ENVIRON``), so it does not make every training job a fresh one.
+os.environ[ALLOWED_HUB_ENDPOINTS_ENV] = f"http://127.0.0.1:{HUB_PORT},{UNREACHABLE_HUB}"
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +112,7 @@ def write_job(
 ) -> Path:
     """A job.json for ``python -m neuron_parallel.train``: dp derived from ``world``; unless
     ``train`` sets ``global_batch_size``, it is micro_batch_size × dp × ``grad_accum``."""
+    from neuron_parallel.checkpoint.output import claim_run_dir
     from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
 
     par = ParallelConfig.for_world(world, **(parallel or {}))
@@ -73,7 +127,7 @@ def write_job(
         parallel=par,
         train=TrainConfig(**train),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)  # as the launcher does: the ranks train only into a directory of ours
     path = run_dir / "job.json"
     path.write_text(job.to_json())
     return path
@@ -103,10 +157,11 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     return pool.run(job_path, hooks=hooks, timeout=timeout)
 
 
-_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
-"""Variables that do not make an environment another: pytest's own, and the one torch sets itself,
+_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+"""Variables that do not make an environment another: pytest's own; the one torch sets itself,
 to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
-cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too."""
+cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too; and
+the one scikit-learn sets when imported (lm-eval brings it in), which no job reads."""
 
 
 JOBS_PER_POOL = 12

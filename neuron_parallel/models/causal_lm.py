@@ -190,6 +190,10 @@ class CausalLMStage(nn.Module):
         output (``return_logits = False``): :func:`lm_head_loss` with ``loss_chunk_bytes``."""
         return lm_head_loss(self.lm_head, hidden, labels, chunk_bytes=self.loss_chunk_bytes)
 
+    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:func:`lm_head_token_logps` of this (last) stage's lm_head over ``hidden``."""
+        return lm_head_token_logps(self.lm_head, hidden, labels, chunk_bytes=self.loss_chunk_bytes)
+
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """The boolean attention mask ``(batch, 1, seq, seq)`` of rows packed from documents: query
@@ -259,6 +263,35 @@ def lm_head_loss(
 
 def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return causal_lm_loss(head(hidden), labels)
+
+
+def lm_head_token_logps(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, chunk_bytes: int = LOSS_CHUNK_BYTES
+) -> torch.Tensor:
+    """The log-probability of each position's label under ``head(hidden)``, ``labels``' shape, fp32,
+    0 where there is no label: the per-token terms of :func:`causal_lm_loss` (negated), computed a
+    chunk of tokens at a time as :func:`lm_head_loss` does (the same chunking, checkpointing and
+    loss-parallel rules). A whole tensor on every rank of a tensor-parallel group."""
+    n = labels.numel()
+    chunk = loss_chunk_tokens(local(head.weight).shape[0], chunk_bytes)
+    if n <= chunk:
+        return _token_logps(head, hidden, labels).view(labels.shape)
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+    grad = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n, chunk):
+        piece = (head, flat_hidden[start : start + chunk], flat_labels[start : start + chunk])
+        parts.append(checkpoint(_token_logps, *piece, use_reentrant=False) if grad else _token_logps(*piece))
+    return torch.cat(parts).view(labels.shape)
+
+
+def _token_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden)
+    nll = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="none")
+    nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+    return -nll
 
 
 def materialize(stage: CausalLMStage, device: torch.device) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from ..batches import to_device
 from ..models.causal_lm import CausalLMStage
 from ..utils import split_layers
 from .dtensor import align_grad, full, local
@@ -194,10 +195,10 @@ class PipelineRunner:
             )
         if self.has_first and inputs is None:
             raise ValueError("this rank holds the first pipeline stage and needs the input ids")
-        target = labels.to(self.device) if self.has_last else None
+        target = to_device(labels, self.device) if self.has_last else None
         args = ()
         if self.has_first:
-            args = (inputs.to(self.device),) + ((positions.to(self.device),) if positions is not None else ())
+            args = tuple(to_device(t, self.device) for t in (inputs, positions) if t is not None)
         losses: list[torch.Tensor] = []
         if torch.is_grad_enabled():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from neuron_flows.tasks.config import ALLOWED_HUB_ENDPOINTS_ENV
 from neuron_parallel.tiny import TEMPLATES
 
-from ..conftest import ROOT
+from ..conftest import HUB_PORT, ROOT, UNREACHABLE_HUB
 from ..hub_server import LocalHub
 
 CLI = Path(sys.executable).parent / "neuron-flows"
@@ -94,6 +95,15 @@ def _broken_model_config(w: dict, d: Path) -> dict:
     return {"model.name_or_path": str(model)}
 
 
+def _mc_task(d: Path) -> str:
+    """A local lm-eval multiple-choice task (its data beside it) whose one metric is acc."""
+    data = _write(d / "lm-eval" / "mc.jsonl", json.dumps({"question": "q", "choices": ["a", "b"], "label": 0}))
+    task = {"task": "tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data}}}
+    task |= {"test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}"}
+    task |= {"doc_to_choice": "{{choices}}", "doc_to_target": "label", "metric_list": [{"metric": "acc"}]}
+    return _write(d / "lm-eval" / "mc.yaml", yaml.safe_dump(task))
+
+
 def _users_folder(d: Path) -> str:
     return _write(d / "models" / "model.safetensors", "the user's weights").rsplit("/", 1)[0]
 
@@ -123,6 +133,19 @@ CASES: dict[str, Case] = {
     "tp-beyond-world": Case(lambda w, d: {"parallel.tp": 4}, "is not divisible by tp × pp", "load"),
     "hub-repo-id": Case(lambda w, d: {"hub.repo_id": "bad repo!!"}, "'bad repo!!' is not a Hub repo id", "load"),
     "hub-plain-http": Case(lambda w, d: {"hub.endpoint": "http://hub.example.com"}, "is not an https:// URL", "load"),
+    "hub-endpoint-not-allowed": Case(
+        lambda w, d: {"hub.repo_id": "user/x", "hub.endpoint": "https://evil.example"},
+        "'https://evil.example' is not a Hub endpoint this machine allows; the Hub token goes only to "
+        f"https://huggingface.co, $HF_ENDPOINT and the base URLs in ${ALLOWED_HUB_ENDPOINTS_ENV}",
+        "load",
+        command="run",
+    ),
+    "hub-loopback-not-listed": Case(
+        lambda w, d: {"hub.repo_id": "user/x", "hub.endpoint": "http://localhost:8"},
+        f"to allow it, the operator adds http://localhost:8 to {ALLOWED_HUB_ENDPOINTS_ENV}",
+        "load",
+        command="run",
+    ),
     "resume-from-missing": Case(lambda w, d: {"train.resume_from": str(d / "gone")}, "does not exist", "load"),
     "output-dir-is-a-file": Case(
         lambda w, d: {"output.dir": _write(d / "notes.txt", "a user's file")}, "is a file", "load"
@@ -148,6 +171,19 @@ CASES: dict[str, Case] = {
         "is not a file",
         "load",
     ),
+    "evaluate-prompts-missing": Case(
+        lambda w, d: {"evaluate.prompts": str(d / "prompts.jsonl")}, "evaluate.prompts=", "load"
+    ),
+    "evaluate-gate-without-eval-rows": Case(
+        lambda w, d: {"evaluate.gate": {"metric": "eval_loss"}},
+        "evaluate.gate.metric=eval_loss needs evaluation rows",
+        "load",
+    ),
+    "evaluate-hub-baseline-without-repo": Case(
+        lambda w, d: {"evaluate.gate": {"baseline": "hub"}, "data.eval_fraction": 0.1},
+        "evaluate.gate.baseline=hub compares with the model published at hub.repo_id, which is not set",
+        "load",
+    ),
     # -- this machine, the model's and the data's files, the Hub
     "cuda-without-cuda": Case(
         lambda w, d: {"launch.device": "cuda"}, "launch.device=cuda but this machine", "preflight"
@@ -171,7 +207,7 @@ CASES: dict[str, Case] = {
     "data-missing": Case(lambda w, d: {"data.source": str(d / "no.jsonl")}, "no such file or directory", "preflight"),
     "empty-corpus": Case(lambda w, d: {"data.source": _write(d / "data" / "e.jsonl", "")}, "is empty", "preflight"),
     "hub-unreachable": Case(
-        lambda w, d: {"hub.repo_id": "user/x", "hub.endpoint": "https://127.0.0.1:9"},
+        lambda w, d: {"hub.repo_id": "user/x", "hub.endpoint": UNREACHABLE_HUB},
         "cannot be reached",
         "preflight",
         command="run",
@@ -181,6 +217,16 @@ CASES: dict[str, Case] = {
         "refused the Hub token (401)",
         "preflight",
         command="run",
+    ),
+    "evaluate-unknown-lm-eval-task": Case(
+        lambda w, d: {"evaluate.lm_eval_tasks": ["arc_easyy"]},
+        "evaluate.lm_eval_tasks: 'arc_easyy' is not an lm-eval task (did you mean arc_easy or",
+        "preflight",
+    ),
+    "evaluate-gate-figure-no-task-makes": Case(
+        lambda w, d: {"evaluate.lm_eval_tasks": [_mc_task(d)], "evaluate.gate": {"metric": "tiny_mc/f1"}},
+        "evaluate.gate.metric='tiny_mc/f1' is produced by no task of evaluate.lm_eval_tasks",
+        "preflight",
     ),
     # -- the data's contents
     "missing-column": Case(
@@ -241,7 +287,7 @@ def _reached(d: Path) -> str:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    with LocalHub(tmp_path_factory.mktemp("hub")) as server:
+    with LocalHub(tmp_path_factory.mktemp("hub"), port=HUB_PORT) as server:
         yield server
 
 

@@ -10,6 +10,7 @@ import torch
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_parallel.checkpoint.output import OWNER_FILE
 
+from ..conftest import HUB_PORT
 from ..hub_server import LocalHub
 
 
@@ -35,7 +36,7 @@ def _tiny_run(tiny_world, tmp_path, *overrides: str) -> FinetuneConfig:
 
 @pytest.fixture
 def hub(tmp_path):
-    with LocalHub(tmp_path / "hub") as server:
+    with LocalHub(tmp_path / "hub", port=HUB_PORT) as server:
         yield server
 
 
@@ -76,6 +77,9 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     remote = {p.relative_to(snap).as_posix(): _sha(p) for p in snap.rglob("*") if p.is_file()}
     assert remote.pop(".gitattributes")  # the Hub's own, created with the repo
     assert remote == local
+    # What is published names this machine's paths (model, data, cache, run) by their last part only.
+    here = (str(tmp_path), str(Path(tiny_world["model"]).parent))
+    assert not [(p.name, x) for p in snap.rglob("*") if p.is_file() for x in here if x.encode() in p.read_bytes()]
 
     # The consolidated model loads with from_pretrained and generates.
     model = AutoModelForCausalLM.from_pretrained(snap)
@@ -114,26 +118,53 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     assert arts["data-sample"].type == "markdown"
 
 
+def _earlier_model(path: Path) -> dict[str, str]:
+    """An earlier run's model at ``path`` (a neuron-flows output), by file and sha256."""
+    from neuron_parallel.checkpoint import export_checkpoint
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "optimum-neuron" / "ckpt_tp2_base"
+    export_checkpoint(fixture, path)
+    (path / "README.md").write_text("the earlier run's card")
+    return {p.relative_to(path).as_posix(): _sha(p) for p in path.rglob("*") if p.is_file()}
+
+
 def test_pipeline_without_a_repo_still_succeeds(prefect_server, tiny_world, tmp_path):
+    """And the new model replaces the earlier run's in a reused ``output.consolidated_dir``."""
     from neuron_flows.flows.finetune import finetune
 
-    config = _tiny_run(tiny_world, tmp_path, "train.max_steps=2")
+    earlier = _earlier_model(tmp_path / "models" / "ft")
+    config = _tiny_run(tiny_world, tmp_path, "train.max_steps=2", f"output.consolidated_dir={tmp_path / 'models/ft'}")
     result = finetune(config)
-    assert result["hub_url"] is None and Path(result["consolidated"], "model.safetensors").exists()
+    model = Path(result["consolidated"])
+    assert result["hub_url"] is None and model == tmp_path / "models" / "ft" and (model / "model.safetensors").exists()
+    now = {p.relative_to(model).as_posix(): _sha(p) for p in model.rglob("*") if p.is_file()}
+    assert now["model.safetensors"] != earlier["model.safetensors"] and now["README.md"] != earlier["README.md"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["ft"]  # nothing left staged
 
 
 def test_failed_upload_rolls_back_the_consolidation(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
     """Consolidate and upload are one transaction: an upload that fails (the server cuts every
-    commit, both attempts) removes the consolidated directory again; the checkpoints stay."""
+    commit, both attempts) drops the model it consolidated, and the earlier run's model in the
+    reused ``output.consolidated_dir`` stays byte for byte; the checkpoints stay."""
     from neuron_flows.flows.finetune import finetune
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     for _ in range(8):  # more than every attempt the upload step and its client make
         hub.fail_next_commit()
+    models = tmp_path / "models"
+    earlier = _earlier_model(models / "ft")
     config = _tiny_run(
-        tiny_world, tmp_path, "train.max_steps=2", f"hub.repo_id={hub.user}/x", f"hub.endpoint={hub.url}"
+        tiny_world,
+        tmp_path,
+        "train.max_steps=2",
+        f"hub.repo_id={hub.user}/x",
+        f"hub.endpoint={hub.url}",
+        f"output.consolidated_dir={models / 'ft'}",
     )
     state = finetune(config, return_state=True)
     assert state.is_failed()
     assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
-    assert not (tmp_path / "run" / "consolidated").exists()
+    assert {p.relative_to(models / "ft").as_posix(): _sha(p) for p in (models / "ft").rglob("*") if p.is_file()} == (
+        earlier
+    )
+    assert sorted(p.name for p in models.iterdir()) == ["ft"]  # the staged model is gone

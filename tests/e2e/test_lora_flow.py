@@ -14,13 +14,13 @@ import torch
 
 from neuron_flows.tasks.config import FinetuneConfig
 
-from ..conftest import ROOT
+from ..conftest import HUB_PORT, ROOT
 from ..hub_server import LocalHub
 
 
 @pytest.fixture
 def hub(tmp_path):
-    with LocalHub(tmp_path / "hub") as server:
+    with LocalHub(tmp_path / "hub", port=HUB_PORT) as server:
         yield server
 
 
@@ -56,7 +56,11 @@ def test_lora_config_uploads_an_adapter_that_peft_loads(prefect_server, tiny_wor
     files = {p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()}
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "merged/model.safetensors"} <= files
     assert "model.safetensors" not in files and "config.json" not in files  # the root is the adapter
-    assert json.loads((snap / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_world["model"]
+    # A published file names the local base model by its folder only (no path of this machine).
+    base_name = json.loads((snap / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_name == Path(tiny_world["model"]).name
+    here = (str(tmp_path), str(Path(tiny_world["model"]).parent))
+    assert not [(p.name, x) for p in snap.rglob("*") if p.is_file() for x in here if x.encode() in p.read_bytes()]
 
     base = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float32).eval()
     ids = torch.randint(3, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

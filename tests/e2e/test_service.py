@@ -9,18 +9,60 @@ default parameters read `.tiny/` there (created if missing, as `make demo` does)
 
 from __future__ import annotations
 
+import json
+import queue
 import secrets
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT
+from neuron_flows.flows.notify import WEBHOOK_ENV
+
+from ..conftest import HUB_PORT, ROOT
 from ..hub_server import LocalHub
 from .service_helpers import TERMINAL, alive, processes, run_dir, small
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = ROOT / ".runs" / "test-output"
+HF_TOKEN = "hf_" + secrets.token_hex(20)
+"""The service's HF_TOKEN: a run whose config names no token_secret uploads with it."""
+WEBHOOK_KEY = secrets.token_hex(16)
+"""The secret path of the service's failure webhook (a chat webhook's URL is its credential)."""
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    """A failure webhook on loopback at ``/hooks/<WEBHOOK_KEY>``: a queue of (path, JSON body)."""
+    received: queue.Queue = queue.Queue()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.put((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.received = received
+    server.url = f"http://127.0.0.1:{server.server_port}/hooks/{WEBHOOK_KEY}"
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service_env(webhook) -> dict[str, str]:
+    return {"HF_TOKEN": HF_TOKEN, WEBHOOK_ENV: webhook.url}
+
+
+def _files(*roots: Path):
+    for root in roots:
+        yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def test_serve_registers_the_deployments(service):
@@ -114,6 +156,14 @@ def test_ui_quick_run_completes_with_a_consolidated_model(service):
     assert all(not u.startswith("http://127.0.0.1") for u in blocked)
 
 
+def _soon(seconds: float) -> str:
+    """An ISO timestamp ``seconds`` from now, a minute back: an interval schedule's next slot."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.UTC)
+    return (now + datetime.timedelta(seconds=seconds - 60)).isoformat()
+
+
 @pytest.mark.slow
 def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
     import asyncio
@@ -127,7 +177,9 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
         **local,
         "name": "every-minute",
         "parameters": {"config": small()},
-        "schedules": [{"cron": "* * * * *", "timezone": "UTC"}],
+        # Every 60 s, anchored so that the first slot falls a few seconds from now (a cron of
+        # "* * * * *" would wait for the next whole minute).
+        "schedules": [{"interval": 60, "anchor_date": _soon(20), "timezone": "UTC"}],
     }
     with temporary_settings({PREFECT_API_URL: service.api}):
         asyncio.run(register({"deployments": [every_minute]}))
@@ -154,22 +206,26 @@ def test_one_minute_schedule_creates_a_run_a_worker_completes(service):
             run_dir(service, run)
 
 
-def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_path):
+def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, webhook, tmp_path):
     """Training dies after its first complete checkpoint (step 4). The UI's Retry call reruns the
     same flow run: tokenize and plan come back Cached, training resumes from step 4, and the
     final weights equal those of a run that never failed. That reference run uploads with a token
-    from a Secret block; afterwards the token's text is nowhere in the server's database, the
-    runs' logs or their artifacts."""
+    from a Secret block, the retried run with the service's HF_TOKEN, and the failure went to the
+    webhook. Afterwards none of the three secrets (the two tokens, the webhook's URL) is in any
+    file the runs wrote, the Prefect home (its database included) or the Hub's storage, nor in
+    serve's output; the runs' logs and artifacts hold no token, and the uploads no local path."""
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from safetensors.torch import load_file
 
     token = "hf_" + secrets.token_hex(20)
-    with LocalHub(tmp_path / "hub", users={token: "alice"}) as hub:
+    with LocalHub(tmp_path / "hub", users={token: "alice", HF_TOKEN: "alice"}, port=HUB_PORT) as hub:
         with temporary_settings({PREFECT_API_URL: service.api}):
             Secret(value=token).save("hf-token-test", overwrite=True)
         crashing = service.run_deployment(
-            "local", small(), job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}}
+            "local",
+            {**small(), "hub": {"repo_id": "alice/tiny-retried", "endpoint": hub.url}},
+            job_variables={"env": {"NEURON_FLOWS_FAIL_AFTER_STEP": "4"}},
         )
         clean = service.run_deployment(
             "local",
@@ -220,6 +276,47 @@ def test_retry_resumes_from_the_checkpoint_and_secrets_stay_secret(service, tmp_
             for art in service.artifacts(run["id"]):
                 assert token not in str(art.get("data")) and token not in str(art.get("description"))
             assert token not in service.http.get(f"/flow_runs/{run['id']}").text
+
+        # Each secret was used: both repos were written to, and the failure went to the webhook.
+        assert {p.stem for p in (hub.root / "repos" / "model" / "alice").iterdir()} == {"tiny-ft", "tiny-retried"}
+        deadline, posted = time.monotonic() + 60, []
+        while not any(crashing["name"] in body["subject"] for _, body in posted):
+            assert time.monotonic() < deadline, f"the webhook received no notification of {crashing['name']}"
+            try:
+                posted.append(webhook.received.get(timeout=1))
+            except queue.Empty:
+                pass
+        assert {path for path, _ in posted} == {f"/hooks/{WEBHOOK_KEY}"}
+        wanted = {"HF_TOKEN": HF_TOKEN, "the Secret block's token": token, "the webhook's URL": WEBHOOK_KEY}
+        places = [crash_dir, clean_dir, ROOT / ".runs" / "datasets", service.home, hub.root]
+        searched, leaks = 0, []
+        for path in _files(*places):
+            data, searched = path.read_bytes(), searched + 1
+            leaks += [f"{name} in {path}" for name, value in wanted.items() if value.encode() in data]
+            if path.is_relative_to(hub.root) and str(ROOT).encode() in data:
+                leaks.append(f"a local path ({ROOT}) in the Hub's {path.relative_to(hub.root)}")
+        output = "\n".join(service.lines)
+        leaks += [f"{name} in serve's output" for name, value in wanted.items() if value in output]
+        print(f"SECRETS: {len(wanted)} secrets searched for in {searched} files and {len(service.lines)} lines")
+        assert not leaks, leaks
+
+
+def test_a_run_cannot_allow_a_hub_endpoint_through_its_job_variables(service):
+    """The worker passes a run's job variables ``env`` to the run's process, so a run started with
+    NEURON_FLOWS_ALLOWED_HUB_ENDPOINTS among them would pass the config's check: the run fails in
+    preflight, before the token is read, naming the variable."""
+    from neuron_flows.tasks.config import ALLOWED_HUB_ENDPOINTS_ENV
+
+    hub = {"repo_id": "alice/x", "endpoint": "https://evil.example"}
+    env = {ALLOWED_HUB_ENDPOINTS_ENV: "https://evil.example"}
+    run = service.run_deployment("local", {**small(), "hub": hub}, job_variables={"env": env})
+    out = run_dir(service, run)
+    final = service.wait(run["id"])
+    assert final["state"]["type"] == "FAILED", final["state"]
+    message = final["state"]["message"]
+    assert message.startswith("failed step: preflight\n"), message
+    assert f"job variables set {ALLOWED_HUB_ENDPOINTS_ENV}: where the Hub token may go" in message
+    assert not out.exists()
 
 
 def test_cancel_ends_the_whole_process_tree(service):

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from neuron_flows.tasks.config import DERIVED, SECTIONS, FinetuneConfig
-from neuron_parallel.config import LoraConfig
+from neuron_parallel.config import LoraConfig, PreferenceConfig
+from neuron_parallel.evaluate import GateConfig
 from neuron_parallel.tiny import TEMPLATES
 
 BASE = {"launch": {"nproc_per_node": 4}}
@@ -23,6 +24,7 @@ SAMPLES = {
     "data.text_field": "body",
     "data.split": "validation",
     "data.config": "wikitext-2-raw-v1",
+    "data.revision": "v1.0",
     "data.block_size": 256,
     "data.cache_dir": "/tmp/ds-cache",
     "data.format": "chat",
@@ -30,6 +32,8 @@ SAMPLES = {
     "data.prompt_field": "question",
     "data.input_field": "context",
     "data.response_field": "answer",
+    "data.chosen_field": "better",
+    "data.rejected_field": "worse",
     "data.chat_template": str(TEMPLATES / "chatml.jinja"),
     "data.train_on_prompt": True,
     "data.packing": False,
@@ -67,6 +71,8 @@ SAMPLES = {
     "train.eval_every": 5,
     "train.lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
     "train.early_stopping_patience": 3,
+    "train.objective": "simpo",
+    "train.preference": {"beta": 2.0, "loss_type": "ipo", "label_smoothing": 0.1, "gamma": 1.0},
     "train.resume_from": str(Path(__file__).resolve().parent),  # any existing folder: it must exist
     "train.compile": True,
     "train.profile_memory": True,
@@ -79,6 +85,12 @@ SAMPLES = {
     "launch.omp_num_threads": 3,
     "launch.memory_fraction": 0.8,
     "launch.timeout_s": 600.0,
+    "launch.first_step_timeout_s": 5400.0,
+    "evaluate.prompts": __file__,  # any existing file: it must exist
+    "evaluate.max_new_tokens": 16,
+    "evaluate.lm_eval_tasks": ["arc_easy", "hellaswag"],
+    "evaluate.lm_eval_limit": 50,
+    "evaluate.gate": {"metric": "eval_loss", "baseline": "hub", "min_improvement": -0.05},
 }
 """A valid value, other than the default, for every settable library field."""
 
@@ -91,8 +103,12 @@ NEEDS = {
     "data.input_field": {"data.format": "instruction"},
     "data.response_field": {"data.format": "instruction"},
     "data.weights": {"data.source": ["a.jsonl", "b.parquet"]},
+    "data.chosen_field": {"data.format": "preference", "train.objective": "dpo"},
+    "data.rejected_field": {"data.format": "preference", "train.objective": "dpo"},
+    "train.objective": {"data.format": "preference"},
     "train.eval_every": {"data.eval_fraction": 0.1},
     "train.early_stopping_patience": {"train.eval_every": 5, "data.eval_fraction": 0.1},
+    "evaluate.gate": {"data.eval_fraction": 0.1, "hub.repo_id": "org/model-ft"},
 }
 """Fields whose sample is valid only together with another value."""
 
@@ -124,6 +140,10 @@ def _expected(key: str):
     value = SAMPLES[key]
     if key == "train.lora":
         return LoraConfig(**value)
+    if key == "evaluate.gate":
+        return GateConfig(**value)
+    if key == "train.preference":
+        return PreferenceConfig(**value)
     return tuple(value) if key == "train.betas" else value
 
 
