@@ -35,8 +35,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest workers (pytest-xdist), a test file each at a time: a test spends much of its time
+# waiting (for Prefect's polling, a server's start, a timeout under test), and one process alone
+# kept about 1.2 of 2 cores busy. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: lint chromium
-	$(BIN)/python -m pytest -q --durations=40
+	$(BIN)/python -m pytest -q $(XDIST) --durations=40
 
 # The tiers alone: unit (no processes, about a minute), dist (torchrun), e2e (Prefect, browser).
 test-unit: $(STAMP)
@@ -49,7 +55,7 @@ test-e2e: $(STAMP) chromium
 	$(BIN)/python -m pytest -q tests/e2e
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow --durations=20
+	$(BIN)/python -m pytest -q -m slow $(XDIST) --durations=20
 
 serve: $(STAMP) $(TINY)/model/config.json
 	$(BIN)/neuron-flows serve

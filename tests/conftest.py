@@ -143,7 +143,9 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     ``NEURON_FLOWS_TEST_FRESH_RANKS=1``; then ``python -m neuron_parallel.train`` runs it."""
     own = env is not None or fresh or _environ(os.environ) != _SESSION_ENVIRON
     if own or (os.environ.get("NEURON_FLOWS_TEST_FRESH_RANKS") == "1" and not hooks):
-        assert not hooks, "checkpoint hooks run on warm ranks only"
+        now = _environ(os.environ)
+        changed = sorted(k for k in now.keys() | _SESSION_ENVIRON.keys() if now.get(k) != _SESSION_ENVIRON.get(k))
+        assert not hooks, f"checkpoint hooks run on warm ranks only (environment changed: {changed})"
         from neuron_parallel.testing.ranks import run_ranks
 
         return run_ranks("neuron_parallel.train", nproc, [str(job_path)], env=env, timeout=timeout, cwd=ROOT)
@@ -157,11 +159,12 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     return pool.run(job_path, hooks=hooks, timeout=timeout)
 
 
-_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "HF_XET_HIGH_PERFORMANCE")
 """Variables that do not make an environment another: pytest's own; the one torch sets itself,
 to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
 cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too; and
-the one scikit-learn sets when imported (lm-eval brings it in), which no job reads."""
+those libraries set when imported, which no job reads: scikit-learn's OpenMP setting and
+lm-eval's Xet download setting (``lm_eval/__init__.py``)."""
 
 
 JOBS_PER_POOL = 12

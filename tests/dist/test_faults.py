@@ -183,6 +183,7 @@ def _retry(job: Path) -> tuple[list[dict], int, int]:
     return retry.events, (resumed[0] if resumed else 0), _last_step(job.parent)
 
 
+@pytest.mark.slow
 def test_fault2_rank_killed_while_async_checkpoint_is_written(tiny_world, tiny_dataset, tmp_path):
     every, steps = 5, 30
     job = _job(

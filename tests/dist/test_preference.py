@@ -94,7 +94,10 @@ LAYOUTS = {  # name: (objective, ranks, parallel, micro batch, train extras, ref
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+SLOW = {"simpo-dp2", "orpo-tp2"}  # the fast tier keeps DPO's two references; CI runs every objective
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_preference_matches_one_process(name, tiny_world, pref_rows, reference_dir, tmp_path):
     objective, world, parallel, mbs, extra, needs_ref = LAYOUTS[name]
     ref = reference_dir if needs_ref else None

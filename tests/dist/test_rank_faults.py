@@ -10,6 +10,8 @@ import os
 import shutil
 import signal
 import time
+
+import pytest
 from pathlib import Path
 
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
@@ -42,6 +44,7 @@ def _step(run: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_then_a_damaged_newest_checkpoint(tiny_world, tiny_dataset, tmp_path):
     train = dict(max_steps=STEPS, save_every=SAVE_EVERY, keep_checkpoints=0, micro_batch_size=4, lr=2e-3)
     run = tmp_path / "run"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from neuron_parallel import launch
 from neuron_parallel.config import JobConfig, LaunchConfig
 from neuron_parallel.procs import alive, process_tree
@@ -52,6 +54,7 @@ def test_ranks_started_ahead_train_the_job_they_are_given_as_fresh_ranks_do(tiny
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
+@pytest.mark.slow
 def test_a_launch_with_other_settings_ends_the_ready_ranks_and_starts_its_own(tiny_world, tiny_dataset, tmp_path):
     ready = launch.start_ready_ranks(LaunchConfig(nproc_per_node=1))
     events: list[dict] = []

@@ -94,6 +94,7 @@ def test_sft_with_eval_matches_one_process(name, reference, tiny_world, chat_row
             assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * abs(b["eval_loss"]), (a, b)
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_with_a_checkpoint_and_a_retry_stays_stopped(tiny_world, chat_rows, tmp_path):
     """A learning rate far too high makes the eval loss climb: after 2 evals without a new best
     the run ends with a checkpoint of that step; run again (a retry), it resumes there and trains

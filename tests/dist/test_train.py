@@ -65,6 +65,7 @@ def assert_tensorboard_matches_metrics(run_dir) -> None:
     assert set(tensorboard_scalars(run_dir, "train/grad_norm")) == set(scalars)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")  # inside mlflow's store
 def test_resume_after_a_crash_continues_exactly(dp2_run, tiny_world, tiny_dataset, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store: <run dir>/mlflow.db

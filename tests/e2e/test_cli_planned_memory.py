@@ -3,7 +3,10 @@ every rank's measured memory stays within the planner's prediction."""
 
 import json
 
+import pytest
 
+
+@pytest.mark.slow
 def test_planner_chosen_tiny_plan_runs_and_its_memory_holds(tiny_world, tmp_path):
     """The demo config (auto layout) through `neuron-flows train` with train.profile_memory: every
     rank's measured peak tensor memory (neuron_parallel.memprof) is within ±15 % of the planner's

@@ -249,6 +249,7 @@ def test_evaluate_alone_gates_against_the_card_published_at_the_repo(runs, hub):
     assert saved["baseline"]["eval_loss"] == saved["model"]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_a_dpo_runs_eval_loss_is_its_preference_loss_against_the_base_model(tiny_world, tmp_path):
     """`neuron-flows train` of the DPO config (2 ranks), then `neuron-flows evaluate` of its
     consolidated checkpoint: the eval loss is the mean per-pair DPO loss against the base model,

@@ -130,6 +130,7 @@ def _audit(d: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy:DeprecationWarning")  # inside mlflow's store
 def test_hub_model_and_dataset_at_a_commit_recorded_and_read_offline(hub_repos, tiny_world, tmp_path):
     hub, (first, second) = hub_repos["hub"], hub_repos["commits"]
