@@ -44,10 +44,15 @@ class Evaluation:
     baseline_generations: list[dict] | None = None
     baseline_kind: str | None = None
     """What the baseline is: base (the base model) or hub (the published model's card)."""
+    lineage: dict | None = None
+    """The run's record of what it trained on (``neuron_parallel.lineage``), where the run has one."""
 
     def to_json(self) -> dict:
         """``evaluation.json``'s content."""
-        return {"model": self.model, "baseline": self.baseline, "promoted": self.promoted, "reason": self.reason}
+        out = {"model": self.model, "baseline": self.baseline, "promoted": self.promoted, "reason": self.reason}
+        if self.lineage:
+            out["lineage"] = self.lineage
+        return out
 
 
 def improvement(value: float, baseline: float, *, higher_is_better: bool) -> float:

@@ -270,10 +270,10 @@ def evaluate(
     evaluation.json and the generations into ``output.dir`` and reports the figures and
     generations to ``train.report_to``'s trackers (``neuron_parallel.promotion``)."""
     from neuron_parallel.checkpoint.output import claim_run_dir, staged_dir
-    from neuron_parallel.config import resolve_precision
+    from neuron_parallel.config import JobConfig, resolve_precision
     from neuron_parallel.promotion import evaluate_model, generations_markdown, write_evaluation
     from neuron_parallel.reporting import read_metrics, report_evaluation
-    from neuron_parallel.run_files import METRICS_FILE
+    from neuron_parallel.run_files import JOB_FILE, METRICS_FILE
     from neuron_parallel.sft import chat_template
 
     run_dir = claim_run_dir(config.output.dir)
@@ -292,6 +292,9 @@ def evaluate(
         hub=(config.hub.repo_id, config.hub.endpoint, token) if config.hub.repo_id else None,
         log=log,
     )
+    if (run_dir / JOB_FILE).is_file():  # the lineage the training recorded (none for a model evaluated alone)
+        lineage = JobConfig.load(run_dir / JOB_FILE).lineage
+        evaluation = dataclasses.replace(evaluation, lineage=lineage or None)
     write_evaluation(run_dir, evaluation)
     if evaluation.model or evaluation.generations:
         metrics = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []

@@ -164,7 +164,9 @@ _NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICAT
 to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
 cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too; and
 those libraries set when imported, which no job reads: scikit-learn's OpenMP setting and
-lm-eval's Xet download setting (``lm_eval/__init__.py``)."""
+lm-eval's Xet download setting (``lm_eval/__init__.py``). Prefect's settings (``PREFECT_*``, which
+``neuron-flows run`` sets for its local server when a test calls it in this process) are not the
+jobs' either: the library never imports Prefect."""
 
 
 JOBS_PER_POOL = 12
@@ -173,7 +175,7 @@ JOBS_PER_POOL = 12
 
 def _environ(environ) -> dict:
     """An environment as a training job sees it (:data:`_NOT_THE_JOBS` apart)."""
-    return {k: v for k, v in environ.items() if k not in _NOT_THE_JOBS}
+    return {k: v for k, v in environ.items() if k not in _NOT_THE_JOBS and not k.startswith("PREFECT_")}
 
 
 _SESSION_ENVIRON = _environ(os.environ)

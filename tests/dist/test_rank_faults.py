@@ -10,9 +10,9 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from neuron_parallel.checkpoint import is_complete, list_checkpoints, validate_checkpoint
 from neuron_parallel.checkpoint.resume import find_resume_checkpoint
@@ -80,6 +80,15 @@ def test_a_rank_killed_mid_step_then_a_damaged_newest_checkpoint(tiny_world, tin
     )
     assert not orphans and not damaged and 0 <= lost <= SAVE_EVERY
     assert seen["detect_s"] < 60
+
+    # The retry of the run as the fault left it resumes from its newest checkpoint, which is intact.
+    intact = tmp_path / "intact"
+    shutil.copytree(run, intact)
+    retried = torchrun(write_job(intact, tiny_world["model"], tiny_dataset.path, world=2, train=train), 2)
+    assert retried.returncode == 0, retried.tail()
+    assert f'"event": "resumed", "step": {newest}' in retried.stdout, retried.tail()
+    assert [m["step"] for m in read_metrics(intact)] == list(range(1, STEPS + 1))
+    print(f"FAULT 1 retry resumed from the newest checkpoint, step {newest}, and finished step {STEPS}")
 
     # The newest checkpoint damaged three ways: each time the one before it is chosen, with a
     # warning that names the problem; nothing is deleted.

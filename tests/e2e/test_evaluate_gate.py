@@ -158,6 +158,8 @@ def test_the_same_run_with_a_gate_it_meets_publishes_the_figures_without_trainin
     assert code == 0, out[-3000:]
     evaluation = json.loads((runs.run / "evaluation.json").read_text())
     assert evaluation["promoted"] is True and "meets evaluate.gate.min_improvement=+0.00%" in evaluation["reason"]
+    job = json.loads((runs.run / "job.json").read_text())
+    assert evaluation["lineage"] == job["lineage"] and {"model", "data", "versions"} <= set(evaluation["lineage"])
     assert (runs.run / "metrics.jsonl").read_bytes() == runs.after_missed.metrics  # not trained again
 
     readme = HfApi(endpoint=hub.url, token=hub.token).hf_hub_download(

@@ -325,14 +325,19 @@ def test_cancel_ends_the_whole_process_tree(service):
     job = f"{run['name']}/job.json"  # torchrun and the ranks get the path relative to the repository
     deadline = time.monotonic() + 300
     ranks: list[int] = []
-    while time.monotonic() < deadline and len(ranks) < 2:
+    state = service.flow_run(run["id"])["state"]
+    while time.monotonic() < deadline and len(ranks) < 2 and state["type"] not in TERMINAL:
         ranks = [
             pid
             for pid, cmd in processes()
             if "neuron_parallel.train" in cmd and job in cmd and "torch.distributed.run" not in cmd
         ]
         time.sleep(1)
-    assert len(ranks) == 2, "the training ranks never started"
+        state = service.flow_run(run["id"])["state"]
+    assert len(ranks) == 2, (
+        f"the training ranks never started; the run is {state['name']}: {state.get('message')}\n"
+        + "\n".join(service.logs(run["id"])[-30:] + service.lines[-30:])
+    )
     tree = [pid for pid, cmd in processes() if job in cmd]
     r = service.http.post(f"/flow_runs/{run['id']}/set_state", json={"state": {"type": "CANCELLING"}, "force": True})
     assert r.status_code in (200, 201), r.text
