@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 from prefect.transactions import transaction
 
 from neuron_flows.flows.notify import failed_state, not_promoted_state
+from neuron_flows.tasks import steps
 from neuron_flows.tasks.config import FinetuneConfig
 from neuron_flows.tasks.consolidate import consolidate
 from neuron_flows.tasks.evaluate import evaluate
@@ -49,7 +50,7 @@ def _pipeline(config: FinetuneConfig) -> dict | State:
     """The steps of :func:`finetune`, for the run's config (output paths filled in)."""
     config = preflight(config)  # every Hub name at the commit it resolved to
     dataset = tokenize(config)
-    reference_path = reference(config, dataset)
+    reference_path = reference(config, dataset) if steps.needs_reference(config) else None  # DPO, full weights
     layout = plan(config, dataset)
     result = train.with_options(retries=config.launch.retries)(config, dataset, layout, reference_path)
     checkpoint = validate(result)

@@ -116,15 +116,22 @@ def tokenize(config: FinetuneConfig, log: Log = _quiet) -> TokenizedDataset:
     return ds
 
 
+def needs_reference(config: FinetuneConfig) -> bool:
+    """Whether the run has a :func:`reference` step (``preference.needs_reference``)."""
+    from neuron_parallel.preference import needs_reference as needs
+
+    train = config.library("train", micro_batch_size=1)
+    return needs(train.objective, train.lora)
+
+
 def reference(config: FinetuneConfig, dataset: TokenizedDataset, log: Log = _quiet) -> str | None:
     """The reference log-probabilities of DPO fully fine-tuned (``preference.compute_reference``):
     the folder beside the tokenized rows, computed once per data fingerprint and reference weights'
     digest and reused after (a retry, a recurring run). None where the objective needs none (sft,
     simpo, orpo, or dpo under LoRA, whose reference is the base with its adapters off)."""
-    from neuron_parallel.preference import compute_reference, needs_reference
+    from neuron_parallel.preference import compute_reference
 
-    train = config.library("train", micro_batch_size=1)
-    if not needs_reference(train.objective, train.lora):
+    if not needs_reference(config):
         return None
     path = compute_reference(model_dir(config), dataset.path, dataset.eval_path)
     log(f"reference: log-probabilities of {model_dir(config)} for data {dataset.fingerprint} in {path}")

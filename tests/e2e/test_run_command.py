@@ -18,7 +18,7 @@ import pytest
 from ..conftest import ROOT
 
 CLI = Path(sys.executable).parent / "neuron-flows"
-STEPS = ("preflight", "tokenize", "plan", "train", "validate", "consolidate", "upload", "report")
+STEPS = ("preflight", "tokenize", "plan", "train", "validate", "consolidate", "evaluate", "upload", "report")
 EXIT_BOUND_S = 2.0
 """Seconds from the summary's last line to the process's exit (interpreter shutdown alone, with
 torch, transformers and Prefect loaded, takes seconds on a busy machine; a queued log or event
