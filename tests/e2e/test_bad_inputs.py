@@ -47,6 +47,12 @@ class Case:
     """The CLI command: ``run`` for what only the whole pipeline (the upload) needs."""
     config: Callable[[Path], list[str]] | None = None
     """For a problem of the command line itself: the arguments after the command (no flow run)."""
+    key: str | None = None
+    """The config key the refusal must name; by default the one key ``sets`` gives, if it gives one."""
+
+    def keys(self, sets: dict) -> list[str]:
+        """The keys the refusal must name."""
+        return [self.key] if self.key else list(sets) if len(sets) == 1 else []
 
 
 def _write(path: Path, text: str) -> str:
@@ -211,6 +217,7 @@ CASES: dict[str, Case] = {
         "cannot be reached",
         "preflight",
         command="run",
+        key="hub.endpoint",
     ),
     "hub-token-refused": Case(
         lambda w, d: {"hub.repo_id": "user/x", "hub.endpoint": w["hub"]},
@@ -233,6 +240,7 @@ CASES: dict[str, Case] = {
         lambda w, d: {"data.format": "chat", "data.source": w["corpus"], "data.chat_template": LLAMA3},
         "no messages column 'messages'; columns: ['text']",
         "tokenize",
+        key="data.format",
     ),
     "empty-messages": Case(_bad_chat([]), "row 1: the conversation is empty", "tokenize"),
     "malformed-message": Case(
@@ -304,9 +312,10 @@ def _cli_args(case: Case, d: Path, sets: dict) -> list[str]:
     return args
 
 
-def _check_refusal(name: str, case: Case, d: Path, before: dict, code: int, stderr: str, how: str) -> None:
+def _check_refusal(name: str, case: Case, d: Path, before: dict, code: int, stderr: str, how: str, sets: dict) -> None:
     assert code == 2, stderr[-3000:]
     assert "Traceback" not in stderr and case.message in stderr, stderr[-3000:]
+    assert all(key in stderr for key in case.keys(sets)), f"the refusal does not name {case.keys(sets)}: {stderr}"
     assert stderr.count("error:") == 1, stderr[-3000:]
     assert _snapshot(d) == before, "a refusal changed files on disk"
     assert PHASES.index(_reached(d)) <= PHASES.index(case.phase), f"refused only after {_reached(d)}"
@@ -321,7 +330,8 @@ def test_the_cli_refuses_it_with_exit_2(tiny_world, tmp_path, hub, monkeypatch, 
     case = CASES[name]
     d = tmp_path / "case"
     d.mkdir()
-    args = _cli_args(case, d, _prepare(case, tiny_world, d, hub))
+    sets = _prepare(case, tiny_world, d, hub)
+    args = _cli_args(case, d, sets)
     before = _snapshot(d)
     monkeypatch.setenv("HF_TOKEN", "hf_refused")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
@@ -330,7 +340,7 @@ def test_the_cli_refuses_it_with_exit_2(tiny_world, tmp_path, hub, monkeypatch, 
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    _check_refusal(name, case, d, before, code, capfd.readouterr().err, "cli")
+    _check_refusal(name, case, d, before, code, capfd.readouterr().err, "cli", sets)
 
 
 @pytest.mark.parametrize("name", ["broken-yaml", "cuda-without-cuda", "unknown-role", "hub-unreachable"])
@@ -340,11 +350,12 @@ def test_the_installed_command_refuses_it_with_exit_2(tiny_world, tmp_path, hub,
     case = CASES[name]
     d = tmp_path / "case"
     d.mkdir()
-    args = _cli_args(case, d, _prepare(case, tiny_world, d, hub))
+    sets = _prepare(case, tiny_world, d, hub)
+    args = _cli_args(case, d, sets)
     before = _snapshot(d)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_TOKEN": "hf_refused", "PREFECT_HOME": str(tmp_path / "prefect")}
     proc = subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    _check_refusal(name, case, d, before, proc.returncode, proc.stderr, "neuron-flows")
+    _check_refusal(name, case, d, before, proc.returncode, proc.stderr, "neuron-flows", sets)
 
 
 def test_a_flow_run_refuses_each_in_its_phase(prefect_server, tiny_world, tmp_path, hub, monkeypatch):
@@ -387,6 +398,7 @@ def test_a_flow_run_refuses_each_in_its_phase(prefect_server, tiny_world, tmp_pa
             ok = [f[0] for f in failed] == [case.phase] and failed[0][2] == 1
             ok = ok and state.message.startswith(f"failed step: {case.phase}\n")  # what a notification quotes
         ok = ok and state.is_failed() and case.message in text and _snapshot(d) == before
+        ok = ok and all(key in text for key in case.keys(sets))
         ok = ok and PHASES.index(_reached(d)) <= PHASES.index(case.phase)
         print(f"BAD-INPUT {name}: flow refused at {case.phase if ok else '?'} ({ran})")
         if not ok:
