@@ -73,6 +73,10 @@ class GradReducer:
         self._counts: dict[int, int] = {}
         self._ready = [0] * len(self.buckets)
         self._inflight: list[tuple[dist.Work | None, torch.Tensor]] = []
+        self._flats: dict[int, torch.Tensor] = {}
+        """Each bucket's flat buffer, kept from step to step: a new one every step would be fresh
+        memory the allocator maps and the kernel zeroes page by page, a cost of the size of
+        the gradients on every step (measured on CPU as about 3 % of a tiny model's step)."""
         self._handles = (
             [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b] if hooks else []
         )
@@ -108,7 +112,11 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         shards = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
-        flat = torch.cat([s.reshape(-1) for s in shards])
+        numel = sum(s.numel() for s in shards)
+        flat = self._flats.get(b)
+        if flat is None or flat.numel() != numel or flat.dtype != shards[0].dtype or flat.device != shards[0].device:
+            flat = self._flats[b] = torch.empty(numel, dtype=shards[0].dtype, device=shards[0].device)
+        torch.cat([s.reshape(-1) for s in shards], out=flat)
         for p, s, view in zip(bucket, shards, flat.split([s.numel() for s in shards])):
             p.grad = with_local(p.grad if p.grad is not None else p, view.view_as(s))
         work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
