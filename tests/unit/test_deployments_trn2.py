@@ -611,7 +611,7 @@ def test_the_images_torch_and_torch_neuronx_are_named_once_and_pair():
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    from neuron_parallel.doctor import neuronx_pairs
+    from neuron_parallel.doctor_stack import neuronx_pairs
 
     args = _dockerfile_args()
     torch_version, neuronx = args["TORCH_VERSION"], args["TORCH_NEURONX_VERSION"]
