@@ -251,6 +251,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved_1f1b and zbv need 2 or more)."""
     layer_split: list[int] | None = None
     """Decoder layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
+    cp: int = 1
+    """Context-parallel degree: every row's sequence split into ``cp`` shards across a cp mesh
+    axis (between dp and pp), attention exchanging K/V across them."""
     dp: int = 1
     """Data-parallel degree; derived from the world size by ``ParallelConfig.for_world``."""
     zero_1: bool = False
@@ -263,7 +266,7 @@ class ParallelConfig:
     built), fp32, or bf16: bf16 autocast compute with fp32 master weights."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "dp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
@@ -295,7 +298,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
 
     @property
     def num_stages(self) -> int:
@@ -303,16 +306,16 @@ class ParallelConfig:
 
     @classmethod
     def for_world(cls, world_size: int, **kwargs: Any) -> ParallelConfig:
-        """Derive dp = world_size / (tp × pp), refusing splits that do not divide."""
-        tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
-        if world_size % (tp * pp):
+        """Derive dp = world_size / (cp × tp × pp), refusing splits that do not divide."""
+        tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
+        if world_size % (tp * pp * cp):
             fits = [f"tp={t}, pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
             raise ValueError(
                 f"world size {world_size} (launch.nproc_per_node × launch.nnodes) is not divisible by "
-                f"tp × pp = {tp} × {pp} = {tp * pp}; choose tp × pp dividing {world_size} "
+                f"cp × tp × pp = {cp} × {tp} × {pp} = {cp * tp * pp}; choose cp × tp × pp dividing {world_size} "
                 f"(e.g. {'; '.join(fits)}) or change launch.nproc_per_node"
             )
-        kwargs["dp"] = world_size // (tp * pp)
+        kwargs["dp"] = world_size // (tp * pp * cp)
         return cls(**kwargs)
 
 
