@@ -93,9 +93,10 @@ def write_model_card(
     evaluation: Evaluation | None = None,
 ) -> Path:
     """Write ``model_dir/README.md``: Hub metadata (YAML front matter) and a description of the run.
-    ``lineage`` (``neuron_parallel.lineage.run_lineage``) adds a section naming the base model's and
-    each data source's identity (a Hub repo's commit, a local one's name and fingerprint), the
-    tokenized data's fingerprint and the package versions. ``evaluation`` (the evaluate step's,
+    ``lineage`` (``neuron_parallel.lineage.run_lineage``) adds the Hub commits to the metadata
+    (:func:`_revisions`) and a section naming the base model's and each data source's identity (a
+    Hub repo's commit, a local one's name and fingerprint), the tokenized data's fingerprint and the
+    package versions. ``evaluation`` (the evaluate step's,
     ``neuron_parallel.promotion``) adds its figures to the metadata's ``model-index``
     (``ModelCard.load(...).data.eval_results``) and a section with the figures beside the
     baseline's, the gate's verdict and the sample generations.
@@ -138,6 +139,7 @@ def write_model_card(
         datasets=hub_datasets or None,
         license=license,
         **results,
+        **_revisions(lineage or {}, hub_base, hub_datasets),
     )
     reference = repo_id or f"path/to/{model_dir.resolve().name}"
     summary = published_config(summary)
@@ -397,6 +399,25 @@ def _evaluation(evaluation: Evaluation | None) -> list[str]:
         ]
         lines.append("")
     return lines
+
+
+def _revisions(lineage: dict, hub_base: str | None, hub_datasets: list[str]) -> dict[str, object]:
+    """The commits the run trained on, as metadata beside ``base_model`` and ``datasets``:
+    ``base_model_revision`` (the Hub's metadata has no revision field of its own; a reader of the
+    card's YAML gets the exact snapshot with ``from_pretrained(base_model, revision=...)``) and
+    ``dataset_revisions`` (Hub repo id → commit), from the run's ``lineage``; Hub sources only."""
+    out: dict[str, object] = {}
+    model = lineage.get("model")
+    if hub_base and isinstance(model, dict) and model.get("repo") == hub_base and model.get("commit"):
+        out["base_model_revision"] = model["commit"]
+    commits = {
+        entry["repo"]: entry["commit"]
+        for entry in (lineage.get("data") or {}).values()
+        if isinstance(entry, dict) and entry.get("repo") in hub_datasets and entry.get("commit")
+    }
+    if commits:
+        out["dataset_revisions"] = commits
+    return out
 
 
 def _lineage(lineage: dict) -> list[str]:

@@ -14,7 +14,9 @@ A run resumes only from checkpoints of the same model and data (:func:`check_sam
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 from pathlib import Path
 
 from .utils import names_local_path
@@ -87,6 +89,44 @@ def source_changes(saved: dict, current: dict) -> list[str]:
         for key, old, new in pairs
         if identity(old) != identity(new)
     ]
+
+
+def sources_key(lineage: dict) -> str:
+    """What makes two runs the same fine-tune when their revisions are compared: the model and
+    each data source by name (a Hub repo id, a local folder's or file's name), without commits or
+    fingerprints, as a short digest (lowercase hex, usable in a Prefect artifact key)."""
+
+    def name(entry: object) -> object:
+        return (entry.get("repo") or entry.get("path")) if isinstance(entry, dict) else entry
+
+    data = lineage.get("data") or {}
+    names = {"model": name(lineage.get("model")), **{k: name(v) for k, v in data.items() if k != "fingerprint"}}
+    return hashlib.sha256(json.dumps(names, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_rows(lineage: dict) -> list[dict]:
+    """A run record's identities as table rows (``entry``, the config ``key``, ``identity`` in
+    words and the identifying fields), readable back with :func:`from_identity_rows`."""
+    entries = [("model", {"key": "model.name_or_path", **(lineage.get("model") or {})})]
+    entries += [(k, v) for k, v in (lineage.get("data") or {}).items() if k != "fingerprint" and isinstance(v, dict)]
+    return [
+        {"entry": name, "key": entry.get("key", f"data.{name}"), "identity": describe_identity(identity(entry))}
+        | identity(entry)
+        for name, entry in entries
+    ]
+
+
+def from_identity_rows(rows: list[dict]) -> dict:
+    """The model and data identities of :func:`identity_rows`' rows, as a run record
+    (:func:`source_changes` compares two)."""
+    record: dict = {"model": None, "data": {}}
+    for row in rows:
+        fields = {k: row[k] for k in IDENTITY_KEYS if k in row}
+        if row.get("entry") == "model":
+            record["model"] = fields
+        else:
+            record["data"][row.get("entry")] = {"key": row.get("key"), **fields}
+    return record
 
 
 def check_same_sources(saved: dict | None, current: dict, checkpoint: str | Path) -> None:

@@ -277,7 +277,7 @@ def evaluate(
     evaluation.json and the generations into ``output.dir`` and reports the figures and
     generations to ``train.report_to``'s trackers (``neuron_parallel.promotion``)."""
     from neuron_parallel.checkpoint.output import claim_run_dir, staged_dir
-    from neuron_parallel.config import JobConfig, resolve_precision
+    from neuron_parallel.config import resolve_precision
     from neuron_parallel.promotion import evaluate_model, generations_markdown, write_evaluation
     from neuron_parallel.reporting import read_metrics, report_evaluation
     from neuron_parallel.run_files import JOB_FILE, METRICS_FILE
@@ -300,8 +300,7 @@ def evaluate(
         log=log,
     )
     if (run_dir / JOB_FILE).is_file():  # the lineage the training recorded (none for a model evaluated alone)
-        lineage = JobConfig.load(run_dir / JOB_FILE).lineage
-        evaluation = dataclasses.replace(evaluation, lineage=lineage or None)
+        evaluation = dataclasses.replace(evaluation, lineage=run_lineage(run_dir) or None)
     write_evaluation(run_dir, evaluation)
     if evaluation.model or evaluation.generations:
         metrics = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
@@ -367,11 +366,27 @@ def upload(
     return commit
 
 
+def run_lineage(run_dir: str | Path) -> dict:
+    """What the run in ``run_dir`` trained on (its job's ``lineage``; empty where none is recorded)."""
+    from neuron_parallel.config import JobConfig
+    from neuron_parallel.run_files import JOB_FILE
+
+    path = Path(run_dir) / JOB_FILE
+    return JobConfig.load(path).lineage if path.is_file() else {}
+
+
 def report(
-    result: TrainResult, layout: CheckedLayout, checkpoint: str, model_dir: str, commit: HubCommit | None
+    result: TrainResult,
+    layout: CheckedLayout,
+    checkpoint: str,
+    model_dir: str,
+    commit: HubCommit | None,
+    *,
+    since_previous: str | None = None,
 ) -> str:
     """Write the loss curve into the run directory, tag the run's MLflow run (if it reported to
-    MLflow) with the consolidated model and Hub URL, and return the run's summary as markdown."""
+    MLflow) with the consolidated model and Hub URL, and return the run's summary as markdown
+    (``since_previous``: what changed in the sources since the previous run, in words)."""
     from neuron_parallel.reporting import loss_curve_png, read_metrics, tag_mlflow_run
     from neuron_parallel.run_files import LOSS_CURVE_FILE, METRICS_FILE
 
@@ -382,4 +397,4 @@ def report(
     (Path(result.run_dir) / LOSS_CURVE_FILE).write_bytes(png)
     tags = {"consolidated_model": str(Path(model_dir).resolve()), **({"hub_url": commit.url} if commit else {})}
     tag_mlflow_run(result.run_dir, tags)
-    return summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png)
+    return summary_markdown(result, layout, checkpoint, model_dir, commit, metrics, png, since_previous)

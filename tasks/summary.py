@@ -20,6 +20,7 @@ def summary_markdown(
     commit: HubCommit | None,
     metrics: list[dict],
     png: bytes,
+    since_previous: str | None = None,
 ) -> str:
     first, last = metrics[0], metrics[-1]
     pc = layout.parallel
@@ -46,6 +47,7 @@ def summary_markdown(
         f"| validated checkpoint | [{checkpoint}](file://{Path(checkpoint).resolve()}) |",
         f"| consolidated model | [{model_dir}](file://{Path(model_dir).resolve()}) |",
         f"| Hub | {hub} |",
+        *([f"| model and data revisions | {since_previous} |"] if since_previous else []),
         *tracker_rows(Path(result.run_dir)),
     ]
     return "\n".join(lines) + "\n"

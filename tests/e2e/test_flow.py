@@ -112,6 +112,9 @@ def test_pipeline_end_to_end(prefect_server, tiny_world, tmp_path, hub, monkeypa
     summary = arts["summary"].data
     assert "![loss curve](data:image/png;base64," in summary and result["hub_url"] in summary
     assert "checkpoint-4" in summary and str(consolidated) in summary
+    # Its sources by identity, left for the next run of the same fine-tune to compare against.
+    assert "| model and data revisions | " in summary  # first run, or what changed since another test's
+    assert any(key.startswith("lineage-") and arts[key].type == "table" for key in arts), sorted(arts)
     assert (tmp_path / "run" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert arts["plan"].type == "table" and "tp=1 pp=1 dp=2" in str(arts["plan"].data)
     assert arts["data-audit"].type == "table" and "trained_fraction" in str(arts["data-audit"].data)

@@ -160,3 +160,34 @@ def test_the_model_card_names_what_the_model_was_trained_from(tiny_world, tmp_pa
     assert f"| data.source[1] | corpus.jsonl (fingerprint {'f' * 20}) |" in section
     assert "| tokenized data | fingerprint rows123 |" in section and "torch " in section
     assert str(Path(tiny_world["model"]).parent) not in text and str(tmp_path) not in text
+
+
+def test_the_model_card_metadata_pins_the_hub_commits(tiny_world, tmp_path):
+    """The card's YAML gives the base model's and each Hub dataset's commit beside their names, so
+    that a reader loads exactly what the model was trained from; local ones add nothing there."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    from neuron_parallel.hub import write_model_card
+    from neuron_parallel.lineage import run_lineage
+
+    model_dir = shutil.copytree(tiny_world["model"], tmp_path / "out")
+    data = {
+        "source_0": {"key": "data.source[0]", "repo": "org/data", "commit": "c" * 40},
+        "source_1": {"key": "data.source[1]", "path": "corpus.jsonl", "fingerprint": "f" * 20},
+        "fingerprint": "rows123",
+    }
+    lineage = run_lineage({"repo": "org/base", "commit": "b" * 40}, data)
+    sources = ["org/data", str(tmp_path / "corpus.jsonl")]
+    card = ModelCard.load(
+        write_model_card(model_dir, repo_id=None, base_model="org/base", datasets=sources, summary={}, lineage=lineage)
+    )
+    assert card.data.base_model == "org/base" and card.data.base_model_revision == "b" * 40
+    assert card.data.datasets == ["org/data"] and card.data.dataset_revisions == {"org/data": "c" * 40}
+    local = run_lineage({"path": "base", "fingerprint": "a" * 20}, {"fingerprint": "rows123"})
+    card = ModelCard.load(
+        write_model_card(model_dir, repo_id=None, base_model=str(tmp_path), datasets=[], summary={}, lineage=local)
+    )
+    assert card.data.base_model is None and "base_model_revision" not in card.data.to_dict()
+    assert "dataset_revisions" not in card.data.to_dict()
