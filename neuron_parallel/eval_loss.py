@@ -92,7 +92,7 @@ def documents(rows) -> list[Document]:
 
 def labelled_logps(model, docs: list[Document], *, precision: str = "fp32") -> Iterator[tuple[Document, np.ndarray]]:
     """Each of ``docs`` with the log-probability ``model`` gives each of its labelled targets
-    (float64, in position order)."""
+    (computed in fp32, returned as float64 for the sums taken on the host; in position order)."""
     import numpy as np
     import torch
 
@@ -124,13 +124,15 @@ def labelled_logps(model, docs: list[Document], *, precision: str = "fp32") -> I
                 position_ids=torch.from_numpy(positions).to(device),
             ).last_hidden_state.flatten(0, 1)
             targets = torch.from_numpy(labels).to(device).flatten()
-            logps = torch.zeros(targets.shape, dtype=torch.float64, device=device)
+            # fp32 on the device (torch-neuronx computes float64 as float32); float64 from the host on,
+            # where the sums are taken.
+            logps = torch.zeros(targets.shape, dtype=torch.float32, device=device)
             for s in range(0, targets.numel(), chunk):
                 part = targets[s : s + chunk]
                 taken = head(hidden[s : s + chunk]).float().log_softmax(-1)
                 taken = taken.gather(-1, part.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                logps[s : s + chunk] = torch.where(part != IGNORE_INDEX, taken, 0.0).double()
-            logps = logps.view(len(batch), width).cpu().numpy()
+                logps[s : s + chunk] = torch.where(part != IGNORE_INDEX, taken, 0.0)
+            logps = logps.view(len(batch), width).cpu().numpy().astype(np.float64)
             for b, doc in enumerate(batch):
                 yield doc, logps[b, : len(doc.ids)][doc.labels != IGNORE_INDEX]
 

@@ -268,7 +268,8 @@ class Trainer:
         count = self.eval_rows.num_targets
         if self.engine.preference:  # each round's STATS: the mean per-pair values over every eval pair
             pairs = self.eval_rows.num_pairs
-            totals = torch.stack(everyone).double().sum(dim=(0, 1)).tolist()
+            per_round = torch.stack(everyone).flatten(0, 1).tolist()  # summed on the host: no float64 on the device
+            totals = [sum(column) for column in zip(*per_round)] if per_round else [0.0] * len(STATS)
             fields = {**stats_row(totals, pairs, prefix="eval_"), "eval_tokens": count, "eval_pairs": pairs}
             eval_loss = fields["eval_loss"]
         else:
