@@ -3,8 +3,10 @@ least the layout must move.
 
     .venv/bin/python bench/comm.py [--quick] [--layout dp2-tp2-pp2 --layout tp4] [--out bench/results/comm.json]
 
-Layouts: ``dp2-tp2-pp2`` (sequence parallel, ZeRO-1, 1F1B with 2 microbatches; 8 ranks) and
-``tp4`` (sequence parallel; 4 ranks, the tiny model's 2 KV heads each replicated on 2 ranks), on
+Layouts: ``dp2-tp2-pp2`` (sequence parallel, ZeRO-1, 1F1B with 2 microbatches; 8 ranks),
+``tp4`` (sequence parallel; 4 ranks, the tiny model's 2 KV heads each replicated on 2 ranks) and
+``dp2-cp2`` (context parallel, ZeRO-1 over the dp × cp ranks; 4 ranks: the K/V all-gather and
+its gradients' reduce-scatter against ``2·b·S·kv·d`` per layer), on
 the tiny Llama world (``neuron_parallel.tiny``, hidden 128, 4 layers, vocabulary 2048) in fp32,
 block 32, 4 sequences per rank; ``--quick`` audits ``tp4`` only. Every rank runs the audit
 ``tests/dist/test_comm.py`` runs too, ``neuron_parallel.testing.comm_audit`` as a module: it builds

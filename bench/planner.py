@@ -10,7 +10,7 @@ writer by a no-op (a save is not part of a training step's memory and the final 
 saves) and runs ``run_training(job)`` unchanged inside the measurement. Models are tiny-to-small Llama shapes
 from ``neuron_parallel.tiny.make_tiny_world`` (GQA, untied), data its pydoc corpus packed by
 ``neuron_parallel.data.tokenize_dataset``; fp32 on CPU with gloo; dp, tp, sp, pp (1F1B and
-GPipe), ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode, and
+GPipe), cp, ZeRO-1 and recompute are varied; two more cases run the engine's bf16 autocast mode, and
 the ``-lora`` cases train LoRA adapters on the frozen model (``train.lora``), predicted with the
 same ``LoraConfig``.
 
@@ -74,6 +74,10 @@ CASES = {
     "small-dp2-zero1-lora-head": ("small", 256, 2, dict(zero_1=True), 4, dict(r=16, modules_to_save=["lm_head"])),
     "wide-tp4-kvrep-lora": ("wide", 128, 4, dict(tp=4), 4, dict(r=8)),
     "small-1rank-bf16-lora": ("small", 256, 1, dict(mixed_precision="bf16"), 4, dict(r=8)),
+    # context parallelism: each rank 128 of every row's 256 tokens, K/V gathered over the cp ranks
+    "small-cp2": ("small", 256, 2, dict(cp=2), 4),
+    "small-cp2-zero1-recompute": ("small", 256, 2, dict(cp=2, zero_1=True, activation_checkpointing=1), 4),
+    "small-cp2-tp2-sp": ("small", 256, 4, dict(cp=2, tp=2, sequence_parallel=True), 4),
 }
 CASE_TIMEOUT_S = 1800
 """Wall-clock limit of one case's launch (the largest cases take a few minutes on 2 cores)."""

@@ -3,43 +3,56 @@ batch encoding of the same texts on the same cores. Goal: ours >= 0.8x the basel
 
     .venv/bin/python bench/tokenization.py [--quick] [--size-mb 20] [--chat-size-mb 5] [--repeats 3]
                                            [--threads N] [--block-size 1024] [--num-proc N]
-                                           [--profile auto|always|never] [--cases text,chat]
+                                           [--profile auto|always|never] [--cases text,chat,preference]
                                            [--workdir DIR] [--keep]
 
 Inputs, built offline and untimed: the tiny world (``neuron_parallel.tiny.make_tiny_world``; its
 byte-level BPE tokenizer in ``model/``), then
   - text: the pydoc corpus (``corpus_documents()``) repeated to ``--size-mb`` MB of text, one
     document per JSONL row;
-  - chat: the world's ``chat.jsonl`` (300 multi-turn conversations) repeated to ``--chat-size-mb``.
+  - chat: the world's ``chat.jsonl`` (300 multi-turn conversations) repeated to ``--chat-size-mb``;
+  - preference: one conversational pair per conversation of that chat set: the prompt its messages
+    before its last assistant turn, chosen that turn (a message list), rejected the last assistant
+    turn of the next conversation (a string).
 
 Cases and what each timed region holds:
   1. text, stream packing: ``DataConfig(source=text.jsonl, format="text", block_size=B)``.
   2. chat, packed by document: ``DataConfig(source=chat.jsonl, format="chat",
      chat_template=<world>/chat_templates/llama3.jinja, block_size=B)`` (the Llama 3 template
      of ``neuron_parallel/chat_templates``, as ``make_tiny_world`` copies it).
+  3. preference, pairs packed by document: ``DataConfig(source=pairs.jsonl, format="preference",
+     chat_template=<the same>, block_size=B)``.
   - ours: the whole ``tokenize_data(DataConfig(..., cache_dir=<fresh dir>), model_dir,
     num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (``datasets``),
     rendering and masking (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows.
     ``datasets``' own cache (HF_DATASETS_CACHE) is a fresh directory too, so nothing is reused.
-    Imports, and one load of the tokenizer (transformers imports its modules on first use), happen
+    Imports, one load of the tokenizer (transformers imports its modules on first use) and one
+    ``load_dataset`` of a one-line file (``datasets`` imports its modules on its first load) happen
     before the timed region.
   - baseline: only ``Tokenizer.from_file(model/tokenizer.json).encode_batch(texts,
-    add_special_tokens=False)`` over exactly the texts ours tokenizes: the documents (text) or the
-    rendered conversations (chat). The texts are read, and for chat rendered with
-    ``AutoTokenizer.apply_chat_template(messages, tokenize=False, chat_template=<llama3.jinja>)``,
-    before the timed region, and the tokenizer is loaded before it too: the baseline is given file
-    reading, rendering and output for free (the render time is reported, not counted).
+    add_special_tokens=False)`` over exactly the texts ours tokenizes: the documents (text), the
+    rendered conversations (chat), or each pair's prompt rendered with the generation prompt and
+    what rendering prompt + chosen and prompt + rejected adds to it (preference). The texts are
+    read, and for chat and preference rendered with ``AutoTokenizer.apply_chat_template(messages,
+    tokenize=False, chat_template=<llama3.jinja>)``, before the timed region, and the tokenizer is
+    loaded before it too: the baseline is given file reading, rendering and output for free (the
+    render time is reported, not counted).
 
 Method: every measurement runs in its own subprocess (``bench_util.run_child``), pinned to the same
 cores with the same thread settings (``RAYON_NUM_THREADS=--threads``, tokenizers' parallelism on
-when threads > 1, ``OMP_NUM_THREADS``), so neither warms the other; for each repeat and case the
+when threads > 1, ``OMP_NUM_THREADS``), so neither warms the other. Both use every one of those
+cores: the baseline through the tokenizer's threads in one process; ours as ``tokenize_data``
+chooses with ``--num-proc`` unset (``neuron_parallel.data.POOL_MIN_BYTES``), in one process with
+the tokenizer's threads for a source under that size (chat and preference at the default sizes),
+else in a pool of one worker per core, each encoding on one. For each repeat and case the
 two alternate (baseline first on even repeats, ours first on odd ones), and the table reports
 medians. Ratio = baseline seconds / our seconds = our tokens/s / baseline tokens/s over the same
 texts; for information the table adds the ratio of CPU seconds (all threads, ``getrusage``), which
 other load on the machine disturbs less, and each run records how long its threads waited,
 runnable, for a core (``/proc/self/task/*/schedstat``, the main process only): the other load it met. Token counts are
 checked to agree: ours counts one EOS per text document more (the stream ends each document with
-EOS); chat adds none. When a case misses the goal (or with ``--profile always``), one more run of
+EOS); chat adds none; preference counts each prompt twice (a pair is two documents, prompt +
+chosen and prompt + rejected). When a case misses the goal (or with ``--profile always``), one more run of
 ours under cProfile (not in the table) shows where its time goes.
 Prints the table, the load average before and after, cores and threads; writes
 bench/results/tokenization.json. ``--quick``: 1 MB of text, 0.5 MB of chat, one repeat, no profile.
@@ -72,23 +85,28 @@ from bench_util import (
 )
 
 GOAL = 0.8
-CASES = ("text", "chat")
+CASES = ("text", "chat", "preference")
 HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of the profile
     ("fingerprint (sha256 of sources)", "neuron_parallel/data.py", "dataset_fingerprint"),
     ("tokenizer load", "transformers/tokenization_utils_base.py", "from_pretrained"),
     ("read source (load_dataset)", "datasets/load.py", "load_dataset"),
     ("datasets map (encode + pack)", "datasets/arrow_dataset.py", "map"),
     ("  Encoder.__call__ (render+tokenize+mask)", "neuron_parallel/sft.py", "__call__"),
+    ("  PairEncoder.__call__ (render+tokenize)", "neuron_parallel/preference.py", "__call__"),
     ("    Renderer.chats (renders, spans)", "neuron_parallel/sft.py", "chats"),
+    ("      ChatRenderer.render", "neuron_parallel/chat.py", "render"),
+    ("      ChatRenderer.cut_lengths (layouts)", "neuron_parallel/chat.py", "cut_lengths"),
     ("      apply_chat_template", "transformers/tokenization_utils_base.py", "apply_chat_template"),
     ("    tokenizer call (transformers)", "transformers/tokenization_utils_fast.py", "_batch_encode_plus"),
     ("    tokenizer call (transformers)", "transformers/tokenization_utils_tokenizers.py", "_encode_plus"),
     ("      encode_batch (Rust)", "~", "encode_batch"),
     ("      Encodings -> Python lists", "transformers/tokenization_utils_tokenizers.py", "_convert_encoding"),
+    ("    masked_table (mask, Arrow lists)", "neuron_parallel/sft.py", "masked_table"),
     ("    in_spans (mask)", "neuron_parallel/sft.py", "in_spans"),
     ("  arrow writer (lists -> Arrow)", "datasets/arrow_writer.py", "write_batch"),
     ("  stream_rows", "neuron_parallel/packing.py", "stream_rows"),
     ("  document_rows", "neuron_parallel/packing.py", "document_rows"),
+    ("  pair_rows", "neuron_parallel/preference.py", "pair_rows"),
     ("    _greedy (per-document loop)", "neuron_parallel/packing.py", "_greedy"),
     ("audit", "neuron_parallel/audit.py", "build_audit"),
     ("save_to_disk", "datasets/arrow_dataset.py", "save_to_disk"),
@@ -126,11 +144,11 @@ def _setup(spec: dict) -> None:
 def _data_config(spec: dict):
     from neuron_parallel.config import DataConfig
 
-    chat = spec["case"] == "chat"
+    case = spec["case"]
     return DataConfig(
         source=spec["source"],
-        format="chat" if chat else "text",
-        chat_template=spec["chat_template"] if chat else None,
+        format=case,
+        chat_template=spec["chat_template"] if case != "text" else None,
         block_size=spec["block_size"],
         cache_dir=spec["cache_dir"],
     )
@@ -140,13 +158,17 @@ def child_ours(spec: dict) -> dict:
     """``tokenize_data`` once, timed as a whole (optionally under cProfile)."""
     import cProfile
 
-    from datasets import load_dataset  # noqa: F401  (imports are not part of the timed region)
+    from datasets import load_dataset  # (imports are not part of the timed region)
     from transformers import AutoTokenizer
 
     from neuron_parallel.data import tokenize_data
 
-    # transformers imports its modules lazily, on first use: one untimed load pays for that.
+    # transformers and datasets import modules lazily, on first use: one untimed use pays for that.
     AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    warm = Path(spec["hf_cache"]).parent / "warm"
+    warm.mkdir()
+    (warm / "one.jsonl").write_text('{"text": "warm"}\n')
+    load_dataset("json", data_files=str(warm / "one.jsonl"), split="train", cache_dir=str(warm / "cache"))
     data = _data_config(spec)
     prof = cProfile.Profile() if spec.get("profile") else None
     c0, w0, t0 = _cpu_s(), thread_waits_ns(), time.perf_counter()
@@ -170,26 +192,42 @@ def child_ours(spec: dict) -> dict:
     return res
 
 
-def _texts(spec: dict) -> tuple[list[str], float]:
-    """The texts ours tokenizes, and the seconds spent rendering them (chat)."""
+def _texts(spec: dict) -> tuple[list[str], int, float]:
+    """The texts ours tokenizes, how many of them are prompts (preference: the first ones), and the
+    seconds spent rendering them (chat, preference)."""
     with open(spec["source"]) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if spec["case"] == "text":
-        return [r["text"] for r in rows], 0.0
+        return [r["text"] for r in rows], 0, 0.0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     template = Path(spec["chat_template"]).read_text()
+
+    def render(messages, generation=False):
+        return tok.apply_chat_template(
+            messages, tokenize=False, chat_template=template, add_generation_prompt=generation
+        )
+
     t0 = time.perf_counter()
-    texts = [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=template) for r in rows]
-    return texts, time.perf_counter() - t0
+    if spec["case"] == "chat":
+        return [render(r["messages"]) for r in rows], 0, time.perf_counter() - t0
+    heads = [render(r["prompt"], True) for r in rows]
+    completions = [
+        render(r["prompt"] + (r[key] if isinstance(r[key], list) else [{"role": "assistant", "content": r[key]}]))[
+            len(head) :
+        ]
+        for key in ("chosen", "rejected")
+        for r, head in zip(rows, heads)
+    ]
+    return heads + completions, len(heads), time.perf_counter() - t0
 
 
 def child_baseline(spec: dict) -> dict:
     """``encode_batch`` of the texts once; reading, rendering and loading happen before the clock."""
     from tokenizers import Tokenizer
 
-    texts, render_s = _texts(spec)
+    texts, prompts, render_s = _texts(spec)
     t0 = time.perf_counter()
     tok = Tokenizer.from_file(str(Path(spec["tokenizer_dir"]) / "tokenizer.json"))
     load_s = time.perf_counter() - t0
@@ -198,6 +236,7 @@ def child_baseline(spec: dict) -> dict:
     seconds, cpu, waited = time.perf_counter() - t0, _cpu_s() - c0, _waited_s(w0)
     tokens = sum(len(e.ids) for e in encodings)
     return {
+        "prompt_tokens": sum(len(e.ids) for e in encodings[:prompts]),
         "seconds": seconds,
         "cpu_s": cpu,
         "waited_s": waited,
@@ -260,13 +299,35 @@ def build_inputs(work: Path, size_mb: float, chat_size_mb: float) -> dict:
     chat_reps = max(1, round(chat_size_mb * 1e6 / sum(len(x.encode()) for x in lines)))
     chat = work / "chat.jsonl"
     chat.write_text("".join(lines) * chat_reps)
+    pairs = work / "pairs.jsonl"
+    pair_lines = _pairs([json.loads(x)["messages"] for x in lines])
+    pairs.write_text("".join(pair_lines) * chat_reps)
     return {
         "tokenizer_dir": world["model"],
         "chat_template": str(template),
         "text": {"source": str(text), "documents": len(docs) * reps, "file_mb": text.stat().st_size / 1e6},
         "chat": {"source": str(chat), "documents": len(lines) * chat_reps, "file_mb": chat.stat().st_size / 1e6},
+        "preference": {
+            "source": str(pairs),
+            "documents": len(pair_lines) * chat_reps,
+            "file_mb": pairs.stat().st_size / 1e6,
+        },
         "text_mb": reps * sum(len(d.encode()) for d in docs) / 1e6,
     }
+
+
+def _pairs(conversations: list[list[dict]]) -> list[str]:
+    """One JSONL line per conversation: the messages before its last assistant turn as the prompt,
+    that turn (a message list) as chosen, the next conversation's last assistant turn (a string)
+    as rejected."""
+    out = []
+    for i, messages in enumerate(conversations):
+        last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        other = conversations[(i + 1) % len(conversations)]
+        rejected = next(m["content"] for m in reversed(other) if m["role"] == "assistant")
+        row = {"prompt": messages[:last], "chosen": [messages[last]], "rejected": rejected}
+        out.append(json.dumps(row) + "\n")
+    return out
 
 
 class Runner:
@@ -312,11 +373,13 @@ class Runner:
 
 
 def summarise(case: str, runs: list[dict], documents: int) -> dict:
+    """The medians of one case's runs, their ratio against the goal and the token check."""
     base = [r for r in runs if r["case"] == case and r["kind"] == "baseline"]
     ours = [r for r in runs if r["case"] == case and r["kind"] == "ours"]
     base_s, ours_s = median([r["seconds"] for r in base]), median([r["seconds"] for r in ours])
     base_tokens, ours_tokens = base[0]["tokens"], ours[0]["tokens"]
-    extra = documents if case == "text" else 0  # the stream's EOS after every document
+    # The stream's EOS after every text document; a pair's prompt written in both its documents.
+    extra = {"text": documents, "preference": base[0]["prompt_tokens"]}.get(case, 0)
     ratio = base_s / ours_s
     return {
         "baseline_s": base_s,
@@ -347,7 +410,8 @@ def print_report(report: dict) -> None:
     print()
     print(
         f"inputs: text {inp['text_mb']:.1f} MB ({inp['text']['documents']:,} documents), chat "
-        f"{inp['chat']['file_mb']:.1f} MB JSONL ({inp['chat']['documents']:,} conversations); block_size "
+        f"{inp['chat']['file_mb']:.1f} MB JSONL ({inp['chat']['documents']:,} conversations), preference "
+        f"{inp['preference']['file_mb']:.1f} MB JSONL ({inp['preference']['documents']:,} pairs); block_size "
         f"{report['args']['block_size']}, num_proc {report['args']['num_proc']}"
     )
     h = report["host"]
@@ -357,7 +421,7 @@ def print_report(report: dict) -> None:
         f"{report['args']['repeats']} repeats, medians"
     )
     print()
-    names = {"text": "text (stream)", "chat": "chat (documents)"}
+    names = {"text": "text (stream)", "chat": "chat (documents)", "preference": "preference (pairs)"}
     rows = [
         [names[case], f"{r['baseline_s']:.2f}", f"{r['ours_s']:.2f}", f"{r['baseline_tokens']:,}"]
         + [f"{r['baseline_tokens_per_s'] / 1e6:.2f}", f"{r['ours_tokens_per_s'] / 1e6:.2f}", f"{r['ratio']:.2f}x"]
@@ -374,16 +438,17 @@ def print_report(report: dict) -> None:
     for case, r in s.items():
         print(
             f"{case}: tokens baseline {r['baseline_tokens']:,}, ours {r['ours_tokens']:,} (+{r['expected_extra_eos']:,}"
-            f" EOS expected): {'agree' if r['tokens_agree'] else 'DISAGREE'}; cpu s baseline {r['baseline_cpu_s']:.2f}"
+            f" expected): {'agree' if r['tokens_agree'] else 'DISAGREE'}; cpu s baseline {r['baseline_cpu_s']:.2f}"
             f", ours {r['ours_cpu_s']:.2f}; waited for a core s baseline {r['baseline_waited_s']:.2f}, ours "
             f"{r['ours_waited_s']:.2f}; runs baseline {_fmt(r['baseline_s_all'])}, ours {_fmt(r['ours_s_all'])}"
         )
-    if "chat" in s:
-        r = s["chat"]
-        print(
-            f"chat: the baseline is given rendering for free ({r['render_s']:.2f}s, one render per conversation); "
-            f"counted in, the ratio would be {(r['baseline_s'] + r['render_s']) / r['ours_s']:.2f}x"
-        )
+    for case, what in (("chat", "one render per conversation"), ("preference", "three renders per pair")):
+        if case in s:
+            r = s[case]
+            print(
+                f"{case}: the baseline is given rendering for free ({r['render_s']:.2f}s, {what}); "
+                f"counted in, the ratio would be {(r['baseline_s'] + r['render_s']) / r['ours_s']:.2f}x"
+            )
 
 
 def _fmt(xs: list[float]) -> str:
@@ -402,12 +467,12 @@ def print_profile(case: str, prof: dict) -> None:
 def parse_args() -> argparse.Namespace:
     ap = parser(__doc__, "1 MB of text, 0.5 MB of chat, one repeat, no profile")
     ap.add_argument("--size-mb", type=float, help="text corpus size in MB of text (default 20)")
-    ap.add_argument("--chat-size-mb", type=float, help="chat JSONL size in MB (default 5)")
+    ap.add_argument("--chat-size-mb", type=float, help="chat JSONL size in MB, the pairs' as many repeats (default 5)")
     ap.add_argument("--repeats", type=int, help="measurements of each side per case (default 3)")
     ap.add_argument("--threads", type=int, default=len(_allowed_cores()), help="threads = cores (default: all)")
     ap.add_argument("--block-size", type=int, default=1024)
     ap.add_argument("--num-proc", type=int, default=None, help="tokenize_data's num_proc (default None, as the flow)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of text,chat")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of text,chat,preference")
     ap.add_argument("--profile", choices=["auto", "always", "never"], help="auto (the default): cases that fail")
     ap.add_argument("--workdir", type=Path, default=None, help="where the inputs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the inputs")

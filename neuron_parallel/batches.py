@@ -52,6 +52,10 @@ class Batch:
     reference: torch.Tensor | None = None
     """Preference rows: the reference's summed log-probability of each completion, by sequence id
     (``(rows, slots)``), where the reference step computed them."""
+    documents: torch.Tensor | None = None
+    """Under context parallelism, rows cut to one cp rank's positions: the document number of
+    every position of the whole rows ``(rows, block_size)``, found before they were cut
+    (:func:`neuron_parallel.parallel.context.shard_batch`)."""
 
     @property
     def causal(self) -> bool:
@@ -68,7 +72,7 @@ class Batch:
 
     def split(self, count: int) -> list[Batch]:
         """Consecutive batches of ``count`` rows."""
-        tensors = (self.inputs, self.labels, self.positions, self.sequence_ids, self.reference)
+        tensors = (self.inputs, self.labels, self.positions, self.sequence_ids, self.reference, self.documents)
         parts = [t.split(count) if t is not None else None for t in tensors]
         n = len(parts[0])
         rows = self.causal_rows
@@ -80,6 +84,7 @@ class Batch:
                 causal_rows=rows[i * count : (i + 1) * count] if rows is not None else None,
                 sequence_ids=parts[3][i] if parts[3] is not None else None,
                 reference=parts[4][i] if parts[4] is not None else None,
+                documents=parts[5][i] if parts[5] is not None else None,
             )
             for i in range(n)
         ]

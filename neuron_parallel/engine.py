@@ -5,11 +5,13 @@ forward, backward, gradient reduction and update.
 forward) → LoRA adapters, when asked → tensor + sequence parallelism → materialisation and weight
 loading (then the adapters' initialisation and the frozen base) → with ``train.compile``, each
 decoder layer compiled in place (:func:`compile_layers`; a checkpointed layer recomputes its
-compiled forward) → pipeline schedule; the ``Engine`` then builds the optimizer (torch's fused
-AdamW wherever the device has it, under every layout; ZeRO-1 over dp when asked) and the dp
-gradient reducer. On CUDA fp32 matmuls run on TF32 tensor cores (:func:`use_tf32_on_cuda`).
-Everything degenerates cleanly to one rank. Reading and writing checkpoints is
-:mod:`neuron_parallel.checkpoint.engine_state`'s business.
+compiled forward) → pipeline schedule, and under context parallelism each stage's place on the cp
+axis; the ``Engine`` then builds the optimizer (torch's fused AdamW wherever the device has it,
+under every layout; ZeRO-1 over the dp × cp ranks when asked) and the gradient reducer over the
+same ranks. Under context parallelism every micro-batch is cut to this rank's positions on the
+host first (:mod:`neuron_parallel.parallel.context`). On CUDA fp32 matmuls run on TF32 tensor
+cores (:func:`use_tf32_on_cuda`). Everything degenerates cleanly to one rank. Reading and
+writing checkpoints is :mod:`neuron_parallel.checkpoint.engine_state`'s business.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from .config import JobConfig
 from .mesh import ParallelDims
 from .models.causal_lm import build_meta_model, load_config, load_weights, materialize
 from .optim import FUSED_ADAMW_DEVICES, build_optimizer, clip_grad_norm
+from .parallel.context import ContextShard
 from .parallel.data_parallel import GradReducer
 from .parallel.dtensor import full
 from .parallel.lora import add_lora, freeze_base, init_adapters, is_adapter
 from .parallel.pipeline import PipelineRunner, build_stages, stage_ids_for_rank, sum_tied_embedding_grads
+from .parallel.pipeline_losses import pipeline_loss, reference_runner
 from .parallel.tensor import align_grad_placements, apply_tensor_parallel
 
 
@@ -47,12 +51,21 @@ class Engine:
     parts: list[nn.Module]
     stage_ids: list[int]
     runner: PipelineRunner | None = None
+    reference_runner: PipelineRunner | None = None
+    """Under pipeline parallelism, the forward-only pass of DPO under LoRA's reference
+    (``parallel.pipeline_losses.reference_runner``); None otherwise."""
     optimizer: object = field(init=False)
     grad_reducer: GradReducer | None = field(init=False)
-    """Averages gradients over dp while backward runs (None when dp = 1)."""
+    """Averages gradients over the dp × cp ranks while backward runs (None when dp × cp = 1): the
+    loss of each rank is scaled by dp × cp (``neuron_parallel.train.LOSS_RULE``), so the average
+    is the sum over cp, whose ranks hold different positions of the same rows, and the mean over
+    dp."""
 
     def __post_init__(self) -> None:
-        zero_1 = self.job.parallel.zero_1 and self.dims.dp > 1
+        # ZeRO-1 shards the optimizer state over every rank holding the same parameters (dp × cp):
+        # the gradients are reduced over them anyway, and checkpoints store each tensor by name
+        # and global slice, so a run resumes on any dp and cp.
+        zero_1 = self.job.parallel.zero_1 and self.dims.dp_cp > 1
         self.optimizer = build_optimizer(
             self.named_parameters(),
             self.job.train,
@@ -60,11 +73,11 @@ class Engine:
             # CPU. DTensor parameters (TP) run it on their local shards, as ZeRO-1's plain aliases
             # and LoRA's adapters do.
             fused=self.device.type in FUSED_ADAMW_DEVICES,
-            dp_group=self.dims.mesh["dp"].get_group() if zero_1 else None,
+            dp_group=self.dims.group("dp_cp") if zero_1 else None,
         )
         self.grad_reducer = None
-        if self.dims.dp > 1:
-            self.grad_reducer = GradReducer(self.parameters(), self.dims.mesh["dp"].get_group(), self.dims.dp)
+        if self.dims.dp_cp > 1:
+            self.grad_reducer = GradReducer(self.parameters(), self.dims.group("dp_cp"), self.dims.dp_cp)
 
     @property
     def tied(self) -> bool:
@@ -113,25 +126,33 @@ class Engine:
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
+    @property
+    def context(self) -> ContextShard | None:
+        """This rank's place on the cp axis (None without context parallelism)."""
+        return self.parts[0].context
+
     def forward_backward(self, batch: Batch, scale: float, *, last: bool = True) -> torch.Tensor:
         """Run one micro-batch; gradients accumulate as those of ``loss × scale``. Returns the
-        loss, the sum over its labelled tokens (the same value on every rank of the
-        model-parallel group). ``last``: the last micro-batch before :meth:`reduce_and_clip`,
-        whose backward starts the dp reduction of each gradient bucket as it completes (under
-        pipeline parallelism, at each stage's last microbatch). Under a preference objective the
-        loss is that of the batch's pairs, and the value returned is :meth:`pair_stats` (the
-        summed loss first)."""
+        loss, the sum over its labelled tokens (the same value on every rank of the tensor- and
+        pipeline-parallel groups; under context parallelism the sum over this rank's positions,
+        so that the sum over the dp × cp ranks is the whole batch's). ``last``: the last
+        micro-batch before :meth:`reduce_and_clip`, whose backward starts the gradient reduction
+        of each bucket as it completes (under pipeline parallelism, at each stage's last
+        microbatch). Under a preference objective the loss is that of the batch's pairs, and the
+        value returned is :meth:`pair_stats` (the summed loss first; under context parallelism
+        on cp rank 0, zeros on the others, whose stats are the same)."""
         if last and self.grad_reducer is not None:
             self.grad_reducer.arm(self.runner.num_microbatches if self.runner is not None else 1)
+        batch = self._local(batch)
         self._attend(batch)
         with self._compute():
             if self.runner is not None:
                 self.runner.loss_scale = scale
-                return self.runner.step(*self._pipeline_args(batch))
+                return self._share(self.runner.step(*self._pipeline_args(batch), documents=self._documents(batch)))
             if self.preference:
                 stats = self.pair_stats(batch)
                 (stats[0] * scale).backward()
-                return stats.detach()
+                return self._share(stats.detach())
             loss = self.parts[0].loss(self._forward(batch), to_device(batch.labels, self.device))
             (loss * scale).backward()
         return full(loss.detach())
@@ -141,13 +162,14 @@ class Engine:
         """The summed loss of ``batch`` over its labelled tokens, forward only, in eval mode."""
         for part in self.parts:
             part.eval()
+        batch = self._local(batch)
         self._attend(batch)
         try:
             with self._compute():
                 if self.runner is not None:
-                    return self.runner.step(*self._pipeline_args(batch))
+                    return self._share(self.runner.step(*self._pipeline_args(batch), documents=self._documents(batch)))
                 if self.preference:
-                    return self.pair_stats(batch)
+                    return self._share(self.pair_stats(batch))
                 return full(self.parts[0].loss(self._forward(batch), to_device(batch.labels, self.device)))
         finally:
             for part in self.parts:
@@ -160,23 +182,26 @@ class Engine:
 
     def pair_stats(self, batch: Batch) -> torch.Tensor:
         """The :data:`~neuron_parallel.preference.STATS` of ``batch``'s pairs, summed (a vector on
-        the device, the same on every rank of the tensor-parallel group): the policy's per-token
-        log-probabilities segment-summed per completion on the device, and under DPO the
+        the device, the same on every rank of the tensor- and context-parallel groups): the
+        policy's per-token log-probabilities segment-summed per completion on the device (under
+        context parallelism over every cp rank's positions,
+        :func:`~neuron_parallel.preference.completion_logps`), and under DPO the
         reference's, from a forward of the base with the adapters off (LoRA, no gradient) or
         from the reference step's values read with the rows."""
-        from .preference import pair_stats, sequence_logps
+        from .preference import completion_logps, pair_stats
 
         tc = self.job.train
+        stage = self.parts[0]
         labels = to_device(batch.labels, self.device)
         seq_ids = to_device(batch.sequence_ids, self.device)
-        sums, counts = sequence_logps(self.parts[0].token_logps(self._forward(batch), labels), seq_ids)
+        sums, counts = completion_logps(stage, self._forward(batch), labels, seq_ids)
         reference = None
         if tc.objective == "dpo":
             if batch.reference is not None:
                 reference = to_device(batch.reference, self.device).view(sums.shape)
             else:
                 with torch.no_grad(), self._adapters_off():
-                    reference, _ = sequence_logps(self.parts[0].token_logps(self._forward(batch), labels), seq_ids)
+                    reference, _ = completion_logps(stage, self._forward(batch), labels, seq_ids)
         return pair_stats(tc.objective, tc.preference, sums, counts, reference)
 
     @contextlib.contextmanager
@@ -204,24 +229,59 @@ class Engine:
         for part in self.parts:
             part.mask_documents = not batch.causal
 
+    def _local(self, batch: Batch) -> Batch:
+        """``batch`` as this rank computes it: under context parallelism its rows cut to this cp
+        rank's positions, on the host (:func:`~neuron_parallel.parallel.context.shard_batch`)."""
+        return batch if self.context is None else self.context.shard_batch(batch)
+
+    def _share(self, stats: torch.Tensor) -> torch.Tensor:
+        """A preference step's stats as this rank's share of the sum over the dp × cp ranks: under
+        context parallelism every cp rank holds the whole stats, so cp rank 0 counts them."""
+        if self.context is None or self.context.cp_rank == 0 or not self.preference:
+            return stats
+        return torch.zeros_like(stats)
+
+    def _documents(self, batch: Batch) -> torch.Tensor | None:
+        """What the first stage takes besides the positions under context parallelism."""
+        return batch.documents if self.has_first else None
+
     def _forward(self, batch: Batch) -> torch.Tensor:
         """The final norm's output of the one stage."""
         inputs = to_device(batch.inputs, self.device)
         if batch.positions is None:
             return self.parts[0](inputs, seq_len=inputs.shape[1])
-        return self.parts[0](inputs, to_device(batch.positions, self.device))
+        positions = to_device(batch.positions, self.device)
+        if batch.documents is None:
+            return self.parts[0](inputs, positions)
+        return self.parts[0](inputs, positions, to_device(batch.documents, self.device))
 
     def _pipeline_args(self, batch: Batch) -> tuple:
+        """``PipelineRunner.step``'s arguments for ``batch``; under a preference objective with the
+        rows ``PairLoss`` takes: the sequence ids and, under DPO, the reference's log-probabilities,
+        read with the rows or (LoRA) from the reference pass, run here first."""
         inputs = batch.inputs if self.has_first else None
-        return inputs, batch.labels, batch.positions if self.has_first else None
+        args = (inputs, batch.labels, batch.positions if self.has_first else None)
+        if not self.preference:
+            return args
+        if self.job.train.objective != "dpo":
+            return (*args, batch.sequence_ids)
+        reference = batch.reference
+        if reference is None:
+            with torch.no_grad(), self._adapters_off():
+                values = self.reference_runner.step(
+                    *args, batch.sequence_ids, documents=self._documents(batch), reduce=False
+                )
+            reference = values.flatten(0, 1)  # (rows, slots) on the last stage's rank
+        return (*args, batch.sequence_ids, reference)
 
     def reduce_and_clip(self) -> torch.Tensor:
-        """Make gradients whole: finish the dp average started during the last backward, align
-        TP placements, sum tied embeddings across pipeline stages; then clip by the global norm
-        and return it (a 0-d tensor: nothing here waits for the host). The dp average of local
-        shards commutes with the other two, both sums.
+        """Make gradients whole: finish the dp × cp average started during the last backward,
+        align TP placements, sum tied embeddings across pipeline stages; then clip by the global
+        norm and return it (a 0-d tensor: nothing here waits for the host). The dp × cp average of
+        local shards commutes with the other two, both sums; after it every dp and cp rank holds
+        the same gradients, so the norm needs no reduction over them.
 
-        Collectives, whatever the number of parameters: the dp buckets' all-reduces (mostly
+        Collectives, whatever the number of parameters: the dp × cp buckets' all-reduces (mostly
         already done), one all-reduce per mesh dim of ``Partial`` grads (tp), the tied pair's
         send/recv (pp), and the norm's scalar all-reduce over tp and over pp."""
         params = self.parameters()
@@ -293,9 +353,11 @@ def use_tf32_on_cuda() -> None:
 
 def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> Engine:
     """Build this rank's part of the model from ``job.model_path`` and its optimizer."""
+    pc = job.parallel
     if device.type == "cuda":
         use_tf32_on_cuda()
-    pc, mesh = job.parallel, dims.mesh
+    mesh = dims.mesh
+    context = ContextShard(dims.cp, dims.coordinates()["cp_rank"], dims.group("cp")) if dims.cp > 1 else None
     config = load_config(job.model_path)
     pp_rank = mesh["pp"].get_local_rank()
     layout = {"pp": pc.pp, "virtual_stages": pc.virtual_stages, "schedule": pc.pipeline_schedule}
@@ -317,14 +379,16 @@ def build_engine(job: JobConfig, dims: ParallelDims, device: torch.device) -> En
             init_adapters(part, job.train.seed)
             freeze_base(part, lora, tied=bool(config.tie_word_embeddings))
         part.return_logits = False  # the last stage's loss takes the lm_head a chunk at a time
+        part.context = context
         part.train()
     if job.train.compile:
         compile_layers(parts, device)
-    runner = None
+    runner = reference = None
     if dims.pp > 1:
         schedule = {"schedule": pc.pipeline_schedule, "num_microbatches": pc.num_microbatches}
         pp_group = mesh["pp"].get_group()
-        runner = PipelineRunner(
-            parts, stage_ids, pc.num_stages, pp_group=pp_group, device=device, loss_fn=parts[-1].loss, **schedule
-        )
-    return Engine(job=job, dims=dims, device=device, config=config, parts=parts, stage_ids=stage_ids, runner=runner)
+        losses = pipeline_loss(job, parts[-1])
+        runner = PipelineRunner(parts, stage_ids, pc.num_stages, pp_group=pp_group, device=device, **schedule, **losses)
+        reference = reference_runner(job, runner)
+    kw = dict(parts=parts, stage_ids=stage_ids, runner=runner, reference_runner=reference)
+    return Engine(job=job, dims=dims, device=device, config=config, **kw)

@@ -1,8 +1,14 @@
 """Parallel dimensions and the device mesh they describe.
 
-The mesh has axes ``("dp", "pp", "tp")``: tp innermost (adjacent ranks, the fastest links), then
-pp, then dp. It is built on first use and passed explicitly; there is no global process group
-state beyond what torch.distributed itself keeps.
+The mesh has axes ``("dp", "cp", "pp", "tp")``: tp innermost (adjacent ranks, the fastest links),
+then pp, then cp (context parallelism: each row's sequence split over the cp ranks, which
+exchange keys and values in every attention layer, ``neuron_parallel.parallel.context``), then
+dp. The cp axis exists only when cp > 1 (an axis of one rank would only create process groups of
+one), and with it the flattened ``dp_cp`` axis: the ranks that hold the same parameters and
+train on different tokens, over which gradients are reduced and ZeRO-1 shards the optimizer
+state. Without cp, ``dp_cp`` is the dp axis. The mesh and every axis are built on first use,
+once, and passed explicitly; there is no global process group state beyond what
+torch.distributed itself keeps.
 """
 
 from __future__ import annotations
@@ -83,11 +89,12 @@ def _free_port() -> int:
 
 @dataclass(slots=True)
 class ParallelDims:
-    """Degrees of data, pipeline and tensor parallelism, with the mesh built on first use."""
+    """Degrees of data, context, pipeline and tensor parallelism, with the mesh built on first use."""
 
     dp: int
     pp: int
     tp: int
+    cp: int = 1
     device_type: str = "cpu"
     timeout_s: float | None = None
     """How long a collective of each mesh axis's group waits for a peer (``launch.timeout_s``);
@@ -98,30 +105,39 @@ class ParallelDims:
     _coordinates: dict[str, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "cp", "pp", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh's axes, outermost first: ("dp", "cp", "pp", "tp"), without cp when cp = 1."""
+        return ("dp", "cp", "pp", "tp") if self.cp > 1 else ("dp", "pp", "tp")
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The ("dp", "pp", "tp") mesh over the current process group."""
+        """The mesh of :attr:`axis_names` over the current process group."""
         if self._mesh is None:
             actual = dist.get_world_size()
             if actual != self.world_size:
                 raise ValueError(
-                    f"the process group has {actual} ranks but dp × pp × tp = {self.dp} × {self.pp} × "
-                    f"{self.tp} = {self.world_size}; launch {self.world_size} ranks or change the split"
+                    f"the process group has {actual} ranks but dp × cp × pp × tp = {self.dp} × {self.cp} × "
+                    f"{self.pp} × {self.tp} = {self.world_size}; launch {self.world_size} ranks or change the split"
                 )
+            options = self._axis_options()
             self._mesh = init_device_mesh(
                 self.device_type,
-                (self.dp, self.pp, self.tp),
-                mesh_dim_names=("dp", "pp", "tp"),
-                backend_override=self._axis_options(),
+                tuple(getattr(self, axis) for axis in self.axis_names),
+                mesh_dim_names=self.axis_names,
+                backend_override={a: options[a] for a in self.axis_names} if options else None,
             )
+            if self.cp > 1:
+                flat = options["dp_cp"] if options else None
+                self._axes["dp_cp"] = self._mesh["dp", "cp"]._flatten("dp_cp", backend_override=flat)
         return self._mesh
 
     def _axis_options(self) -> dict | None:
@@ -130,7 +146,7 @@ class ParallelDims:
             return None
         backend = dist.get_backend()
         options = {}
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "cp", "pp", "tp", "dp_cp"):
             opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else C10dBackend.Options(backend)
             opts._timeout = timedelta(seconds=self.timeout_s)
             options[axis] = opts
@@ -142,25 +158,44 @@ class ParallelDims:
         gloo and nccl take the change; other backends keep the timeout they were created with
         (torch changes it for those two only)."""
         self.timeout_s = timeout_s
-        groups = [dist.group.WORLD] + [self.group(axis) for axis in ("dp", "pp", "tp")]
+        axes = self.axis_names + (("dp_cp",) if self.cp > 1 else ())
+        groups = [dist.group.WORLD] + [self.group(axis) for axis in axes]
         for group in groups:
             if dist.get_backend(group) in ("gloo", "nccl"):
                 dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
 
     def axis(self, name: str) -> DeviceMesh:
-        """The one-dimensional mesh of axis ``name`` (``"dp"``, ``"pp"`` or ``"tp"``), built once:
-        ``mesh[name]`` builds a new ``DeviceMesh`` at every call."""
-        sub = self._axes.get(name)
-        if sub is None:
-            sub = self._axes[name] = self.mesh[name]
-        return sub
+        """The one-dimensional mesh of axis ``name`` (``"dp"``, ``"cp"`` when cp > 1, ``"pp"``,
+        ``"tp"``, or ``"dp_cp"``), built once: ``mesh[name]`` builds a new ``DeviceMesh`` at every
+        call."""
+        if name == "dp_cp" and self.cp == 1:
+            name = "dp"
+        if name not in self._axes:
+            mesh = self.mesh  # with cp > 1, builds the dp_cp axis too
+            if name not in self._axes:
+                self._axes[name] = mesh[name]
+        return self._axes[name]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of axis ``name``."""
         return self.axis(name).get_group()
 
     def coordinates(self) -> dict[str, int]:
-        """This rank's (dp_rank, pp_rank, tp_rank)."""
+        """This rank's (dp_rank, cp_rank, pp_rank, tp_rank); cp_rank is 0 without cp."""
         if self._coordinates is None:
-            self._coordinates = {f"{axis}_rank": self.axis(axis).get_local_rank() for axis in ("dp", "pp", "tp")}
+            self._coordinates = {
+                f"{axis}_rank": self.axis(axis).get_local_rank() if axis in self.axis_names else 0
+                for axis in ("dp", "cp", "pp", "tp")
+            }
         return dict(self._coordinates)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and train on different tokens: dp × cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among them (its rank in the ``dp_cp`` group): dp_rank · cp + cp_rank."""
+        c = self.coordinates()
+        return c["dp_rank"] * self.cp + c["cp_rank"]

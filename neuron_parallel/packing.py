@@ -40,7 +40,7 @@ def _flat(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rows(values: np.ndarray, block_size: int) -> pa.FixedSizeListArray:
-    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1).astype(np.int32)), block_size)
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1).astype(np.int32, copy=False)), block_size)
 
 
 def _table(block_size: int, counts: dict[str, np.ndarray], **rows: np.ndarray) -> pa.Table:
@@ -112,10 +112,10 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
     label = np.where((pos < length[tok] - 1) & (trained[nxt] != 0), ids[nxt], IGNORE)
 
     used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
-    columns = np.arange(block_size)
-    input_ids = np.full(num_rows * block_size, pad_id, dtype=np.int64)
-    labels = np.full(num_rows * block_size, IGNORE, dtype=np.int64)
-    positions = np.maximum(columns[None, :] - used[:, None], 0).reshape(-1)  # padding counts from 0
+    columns = np.arange(block_size, dtype=np.int32)
+    input_ids = np.full(num_rows * block_size, pad_id, dtype=np.int32)  # the rows' own dtype: no copy to convert
+    labels = np.full(num_rows * block_size, IGNORE, dtype=np.int32)
+    positions = np.maximum(columns[None, :] - used[:, None].astype(np.int32), 0).reshape(-1)  # padding counts from 0
     input_ids[dest], labels[dest], positions[dest] = ids[src], label, pos
 
     # An example counts as kept in the row holding its first kept piece.

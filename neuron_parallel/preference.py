@@ -5,10 +5,11 @@ Data (``data.format: preference``). Each example has a prompt, a chosen and a re
 completion (columns ``data.prompt_field``/``chosen_field``/``rejected_field``, default prompt,
 chosen, rejected).
 
-- String values are tokenized as TRL's ``DPOTrainer.tokenize_row`` does: the prompt's ids with
-  BOS first where the tokenizer defines one, each completion's ids followed by EOS, each of the
-  three tokenized alone without special tokens. A completion's log-probability is the sum over its
-  ids and the EOS.
+- String values are tokenized as TRL's ``DPOTrainer.tokenize_row`` did (TRL 0.x; TRL 1.x
+  tokenizes prompt + completion as one text): the prompt's ids with BOS first where the tokenizer
+  defines one, each completion's ids followed by EOS, each of the three tokenized alone without
+  special tokens, so that a pair's prompt is the same ids in both documents. A completion's
+  log-probability is the sum over its ids and the EOS.
 - Chat message lists: the prompt is rendered with the chat template and the generation prompt; a
   completion (a list of assistant messages, or a string taken as one assistant message) is what
   rendering prompt + completion adds to that, all of it trained (the assistant turn with its end
@@ -27,8 +28,9 @@ room for both completions whole, the pair is dropped (counted).
 Objectives (``train.objective``), per pair, from the policy's completion log-probabilities
 (summed over the completion's tokens, or averaged where said) and, for DPO, the reference's; the
 step's loss is the mean over the pairs of the global batch (:data:`PAIR_LOSS_RULE`). The formulas
-follow TRL (``DPOTrainer.dpo_loss``, ``CPOTrainer.cpo_loss``, ``ORPOTrainer.odds_ratio_loss``)
-and the papers named in :func:`pair_losses`.
+are the papers' named in :func:`pair_losses` and TRL 1.16's (``DPOTrainer._compute_loss``,
+``CPOTrainer.cpo_loss``, ``ORPOTrainer.odds_ratio_loss``), which tests/unit/test_preference_trl.py
+runs on the same log-probabilities.
 """
 
 from __future__ import annotations
@@ -81,23 +83,30 @@ def pair_columns(data: DataConfig, columns: list[str], where: str) -> dict[str, 
 
 class PairEncoder:
     """The batched ``datasets.map`` function of one preference source: ``prompt``, ``chosen`` and
-    ``rejected`` token ids per pair (see the module docstring). Picklable for ``num_proc``."""
+    ``rejected`` token ids per pair (see the module docstring), as Arrow list columns. Picklable
+    for ``num_proc``."""
 
     def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str], where: str) -> None:
+        from .chat import ChatRenderer
         from .sft import chat_template
 
         self.data, self.tokenizer, self.columns, self.where = data, tokenizer, columns, where
         self.template = chat_template(data, tokenizer)
+        name = data.chat_template or f"the chat template of the tokenizer {tokenizer.name_or_path}"
+        self.chat = ChatRenderer(tokenizer, self.template, name) if self.template is not None else None
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        return [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def __call__(self, batch: dict[str, list], indices: list[int]):
+        from .utils import gc_paused
 
-    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        with gc_paused():
+            return self._pairs(batch, indices)
+
+    def _pairs(self, batch: dict[str, list], indices: list[int]):
+        import pyarrow as pa
+
         c, tok = self.columns, self.tokenizer
-        out: dict[str, list] = {"prompt": [], "chosen": [], "rejected": []}
-        texts: list[tuple[str, str, str, bool]] = []
+        texts: list = [None] * len(indices)
+        chats: list[tuple[int, list[dict], list[dict], list[dict], str]] = []
         for j, i in enumerate(indices):
             where = f"{self.where} row {i}"
             prompt = batch[c["prompt"]][j]
@@ -109,29 +118,50 @@ class PairEncoder:
                         f"non-empty chosen and rejected completion: fix or remove the row"
                     )
             if isinstance(prompt, list):
-                texts.append((*self._render_chat(prompt, chosen, rejected, where), False))
+                chats.append((j, *self._chat_pair(prompt, chosen, rejected, where), where))
             elif isinstance(prompt, str | None) and isinstance(chosen, str) and isinstance(rejected, str):
-                texts.append((prompt or "", chosen, rejected, True))
+                texts[j] = (prompt or "", chosen, rejected)
             else:
                 raise ValueError(
                     f"{where}: a pair's prompt, chosen and rejected values must be strings, or chat message lists "
                     f"(the prompt a list of messages); got {type(prompt).__name__}, {type(chosen).__name__}, "
                     f"{type(rejected).__name__}: fix the data"
                 )
-        prompts = self._encode([t[0] for t in texts])
-        chosen = self._encode([t[1] for t in texts])
-        rejected = self._encode([t[2] for t in texts])
-        bos, eos = tok.bos_token_id, tok.eos_token_id
-        for p, ch, rj, plain in zip(prompts, chosen, rejected, (t[3] for t in texts)):
-            if plain:  # TRL's tokenize_row: BOS + prompt, completion + EOS
-                p = ([bos] if bos is not None else []) + p
-                ch, rj = ch + [eos], rj + [eos]
-            out["prompt"].append(p)
-            out["chosen"].append(ch)
-            out["rejected"].append(rj)
-        return out
+        plain = np.asarray([t is not None for t in texts], dtype=bool)  # TRL's tokenize_row for string pairs
+        if chats:
+            split = self.chat.split_pairs([c[1:4] for c in chats], [c[4] for c in chats])
+            for (j, *_), rendered in zip(chats, split):
+                texts[j] = rendered
+        bos = tok.bos_token_id
+        columns = {}
+        for k, name in enumerate(("prompt", "chosen", "rejected")):
+            encodings = tok.backend_tokenizer.encode_batch([t[k] for t in texts], add_special_tokens=False)
+            if k == 0:  # BOS + prompt
+                columns[name] = self._id_lists(encodings, bos, plain if bos is not None else None, end=False)
+            else:  # completion + EOS
+                columns[name] = self._id_lists(encodings, tok.eos_token_id, plain, end=True)
+        return pa.table(columns)
 
-    def _render_chat(self, prompt: list, chosen: Any, rejected: Any, where: str) -> tuple[str, str, str]:
+    @staticmethod
+    def _id_lists(encodings, token: int | None, rows: np.ndarray | None, *, end: bool):
+        """The ids of ``encodings`` as an Arrow list array, with ``token`` added at the start (or
+        the end) of the ``rows`` marked."""
+        from itertools import chain
+
+        import pyarrow as pa
+
+        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
+        if rows is not None and rows.any():
+            ends = np.cumsum(counts)
+            flat = np.insert(flat, (ends if end else ends - counts)[rows], token)
+            counts = counts + rows
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+    def _chat_pair(self, prompt: list, chosen: Any, rejected: Any, where: str) -> tuple[list, list, list]:
+        """The prompt and each completion as checked message lists (a string completion is one
+        assistant message)."""
         from .sft import check_messages
 
         if self.template is None:
@@ -139,20 +169,10 @@ class PairEncoder:
                 f"{where}: chat message pairs need a chat template, but the tokenizer has none; set "
                 "data.chat_template: path/to/template.jinja (e.g. neuron_parallel/chat_templates/chatml.jinja)"
             )
-        prompt = check_messages(prompt, where)
-        kw = dict(tokenize=False, chat_template=self.template)
-        head = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kw)
-        out = [head]
+        out = [check_messages(prompt, where)]
         for role, value in (("chosen", chosen), ("rejected", rejected)):
             turns = [{"role": "assistant", "content": value}] if isinstance(value, str) else value
-            turns = check_messages(turns, f"{where} ({role})")
-            full = self.tokenizer.apply_chat_template(prompt + turns, add_generation_prompt=False, **kw)
-            if not full.startswith(head) or len(full) == len(head):
-                raise ValueError(
-                    f"{where}: the chat template does not render the {role} completion as an addition to the prompt "
-                    "rendered with the generation prompt; use a template that does (neuron_parallel/chat_templates/)"
-                )
-            out.append(full[len(head) :])
+            out.append(check_messages(turns, f"{where} ({role})"))
         return out[0], out[1], out[2]
 
 
@@ -177,55 +197,63 @@ def fit_pair(p: int, c: int, r: int, block_size: int) -> int | None:
 
 def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     """Rows of pairs (see the module docstring) from an Arrow batch of ``prompt``, ``chosen`` and
-    ``rejected`` lists, with the count columns of ``neuron_parallel.packing``."""
-    import pyarrow as pa
+    ``rejected`` lists, with the count columns of ``neuron_parallel.packing``. Built from flat
+    arrays of the whole batch (as ``packing.document_rows``): each kept pair is four segments,
+    prompt, chosen, prompt, rejected, copied to their places in one gather; only the greedy
+    placement runs per pair. A completion token is the label of the position before it in its
+    document; the first position of a document has none before it (an empty prompt: the first
+    completion token is not predicted)."""
+    from .packing import _flat, _greedy, _table
 
-    cols = {n: table.column(n).to_pylist() for n in ("prompt", "chosen", "rejected")}
-    units, truncated = [], []
-    for p, ch, rj in zip(cols["prompt"], cols["chosen"], cols["rejected"]):
-        cut = fit_pair(len(p), len(ch), len(rj), block_size)
-        if cut is None:
-            continue
-        units.append((p[cut:], ch, rj))
-        truncated.append(cut > 0)
-    rows: list[list[int]] = []  # pair indices per row
-    used = block_size + 1
-    for i, (p, ch, rj) in enumerate(units):
-        n = 2 * len(p) + len(ch) + len(rj)
-        if one_per_row or used + n > block_size:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += n
-    num = len(rows)
-    ids = np.full((num, block_size), pad_id, dtype=np.int64)
-    labels = np.full((num, block_size), IGNORE, dtype=np.int64)
-    seq = np.full((num, block_size), -1, dtype=np.int64)
-    positions = np.zeros((num, block_size), dtype=np.int64)
-    counts = {k: np.zeros(num, dtype=np.int64) for k in ("_kept", "_truncated", "_tokens", "_trained")}
-    for r, members in enumerate(rows):
-        at = 0
-        for k, i in enumerate(members):
-            p, *completions = units[i]
-            for s, comp in enumerate(completions):
-                doc = np.asarray(p + comp, dtype=np.int64)
-                n = len(doc)
-                ids[r, at : at + n] = doc
-                positions[r, at : at + n] = np.arange(n)
-                labels[r, at + len(p) - 1 : at + n - 1] = doc[len(p) :]
-                seq[r, at + len(p) - 1 : at + n - 1] = 2 * k + s
-                at += n
-                counts["_trained"][r] += len(comp)
-            counts["_kept"][r] += 1
-            counts["_truncated"][r] += truncated[i]
-        positions[r, at:] = np.arange(block_size - at)
-        counts["_tokens"][r] = at
+    values, starts, lengths = [], [], []
+    for name in ("prompt", "chosen", "rejected"):
+        flat, offsets = _flat(table, name)
+        starts.append(offsets[:-1] + sum(len(v) for v in values))  # into the three concatenated
+        lengths.append(np.diff(offsets))
+        values.append(flat)
+    tokens = np.concatenate(values).astype(np.int32, copy=False)
+    p, c, r = lengths
+    need = 2 * p + c + r  # fit_pair for every pair at once
+    cut = np.where(need > block_size, -(-(need - block_size) // 2), 0)
+    kept = np.flatnonzero((need <= block_size) | (p - cut >= 1))
+    cut, p, c, r = cut[kept], p[kept] - cut[kept], c[kept], r[kept]
+    n = 2 * p + c + r
+    row, col = _greedy(n, block_size, one_per_row)
+    num_rows = int(row[-1]) + 1 if len(row) else 0
+    first = np.r_[True, row[1:] != row[:-1]] if len(row) else np.zeros(0, dtype=bool)
+    slot = np.arange(len(row)) - np.flatnonzero(first)[np.cumsum(first) - 1]  # the pair's place in its row
 
-    def fixed(a: np.ndarray):
-        return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1).astype(np.int32)), block_size)
+    # Per pair, segments prompt, chosen, prompt, rejected: source start, length, place, position.
+    at = row * block_size + col
+    zero = np.zeros_like(p)
+    prompt_src = starts[0][kept] + cut
+    seg_src = np.stack([prompt_src, starts[1][kept], prompt_src, starts[2][kept]], axis=1).reshape(-1)
+    seg_len = np.stack([p, c, p, r], axis=1).reshape(-1)
+    seg_dest = np.stack([at, at + p, at + p + c, at + 2 * p + c], axis=1).reshape(-1)
+    seg_pos = np.stack([zero, p, zero, p], axis=1).reshape(-1)
+    seg = np.repeat(np.arange(len(seg_len)), seg_len)
+    within = np.arange(len(seg)) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)
+    src, dest, pos = seg_src[seg] + within, seg_dest[seg] + within, seg_pos[seg] + within
 
-    arrays = {"input_ids": ids, "labels": labels, "position_ids": positions, "sequence_ids": seq}
-    return pa.table({**{k: fixed(v) for k, v in arrays.items()}, **{k: pa.array(v) for k, v in counts.items()}})
+    used = np.bincount(row, weights=n, minlength=num_rows).astype(np.int32)
+    input_ids = np.full(num_rows * block_size, pad_id, dtype=np.int32)  # the rows' own dtype: no copy to convert
+    labels = np.full(num_rows * block_size, IGNORE, dtype=np.int32)
+    sequence_ids = np.full(num_rows * block_size, -1, dtype=np.int32)
+    columns = np.arange(block_size, dtype=np.int32)
+    positions = np.maximum(columns[None, :] - used[:, None], 0).reshape(-1)  # padding counts from 0
+    input_ids[dest], positions[dest] = tokens[src], pos
+    target = (seg % 2 == 1) & (pos > 0)  # completion tokens with a position before them
+    labels[dest[target] - 1] = tokens[src[target]]
+    pair = seg[target] // 4
+    sequence_ids[dest[target] - 1] = 2 * slot[pair] + (seg[target] % 4 == 3)
+    counts = {
+        "_kept": np.bincount(row, minlength=num_rows),
+        "_truncated": np.bincount(row, weights=cut > 0, minlength=num_rows),
+        "_tokens": used,
+        "_trained": np.bincount(row[pair], minlength=num_rows),
+    }
+    rows = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids}
+    return _table(block_size, counts, **rows)
 
 
 def pairs_per_row(sequence_ids: np.ndarray) -> np.ndarray:
@@ -236,18 +264,36 @@ def pairs_per_row(sequence_ids: np.ndarray) -> np.ndarray:
 # -- log-probabilities and objectives ----------------------------------------------------------------
 
 
-def sequence_logps(token_logps: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(
+    token_logps: torch.Tensor, sequence_ids: torch.Tensor, num_slots: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row and pair slot, the summed log-probabilities and the token counts of the chosen
     ``[..., 0]`` and rejected ``[..., 1]`` completions, ``(rows, slots / 2, 2)``: a segment sum
-    of ``token_logps`` (rows, seq; 0 where there is no label) by ``sequence_ids``, on the device."""
+    of ``token_logps`` (rows, seq; 0 where there is no label) by ``sequence_ids``, on the device.
+    ``num_slots``: the :func:`slots` of the whole rows where these are part of them (context
+    parallelism); by default those of ``seq``."""
     rows, seq = sequence_ids.shape
-    n = slots(seq)
+    n = num_slots or slots(seq)
     index = torch.where(sequence_ids < 0, n, sequence_ids)  # unlabelled positions go to a spare slot
     sums = torch.zeros(rows, n + 1, dtype=torch.float32, device=token_logps.device)
     sums = sums.scatter_add(1, index, token_logps.float())
     counts = torch.zeros(rows, n + 1, dtype=torch.float32, device=token_logps.device)
     counts = counts.scatter_add(1, index, torch.ones_like(token_logps, dtype=torch.float32))
     return sums[:, :n].view(rows, n // 2, 2), counts[:, :n].view(rows, n // 2, 2)
+
+
+def completion_logps(stage, hidden: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor):
+    """:func:`sequence_logps` of ``stage.token_logps(hidden, labels)`` (``stage``: the last
+    ``CausalLMStage``). Under context parallelism (``stage.context``) the rows hold one cp rank's
+    positions: the sums and counts of every completion are summed over the cp ranks
+    (``ContextShard.sum``, one all-reduce) before any pair's loss, as completions cross shards."""
+    logps = stage.token_logps(hidden, labels)
+    context = getattr(stage, "context", None)
+    if context is None:
+        return sequence_logps(logps, sequence_ids)
+    sums, counts = sequence_logps(logps, sequence_ids, num_slots=slots(labels.shape[-1] * context.cp))
+    both = context.sum(torch.stack([sums, counts]))
+    return both[0], both[1]
 
 
 def pair_losses(
@@ -265,7 +311,10 @@ def pair_losses(
       sigmoid ``−logσ(βx)(1−ε) − logσ(−βx)ε`` (ε = label_smoothing: cDPO); robust (Chowdhury et
       al. 2024, arXiv:2403.00409) ``(−logσ(βx)(1−ε) + logσ(−βx)ε) / (1 − 2ε)``; hinge (SLiC, Zhao et
       al. 2023) ``relu(1 − βx)``; ipo (Azar et al. 2023, arXiv:2310.12036) ``(x − 1/(2β))²`` on
-      length-averaged log-probabilities. Rewards ``β(π − ref)``. As TRL's ``DPOTrainer.dpo_loss``.
+      length-averaged log-probabilities. Rewards ``β(π − ref)`` (under ipo on the averaged
+      log-probabilities too, where TRL logs them from the sums). The losses are TRL's
+      (``DPOTrainer._compute_loss``), except that TRL 1.16 applies no label smoothing to sigmoid:
+      cDPO's smoothed sigmoid is TRL's ``CPOTrainer.cpo_loss`` sigmoid of the log-ratios.
     - simpo (Meng et al. 2024, arXiv:2405.14734): ``x = π̄_c − π̄_r − γ/β`` on averaged
       log-probabilities, loss as dpo's sigmoid; rewards ``β π̄``. As TRL's ``CPOTrainer.cpo_loss``
       with loss_type simpo and cpo_alpha 0.
@@ -273,8 +322,9 @@ def pair_losses(
       ``log_odds = (π̄_c − π̄_r) − (log(1 − e^π̄_c) − log(1 − e^π̄_r))``, loss
       ``−π̄_c − β logσ(log_odds)`` (the chosen completion's mean NLL plus the odds-ratio term with
       weight λ = β); rewards ``β π̄``. As TRL's ``ORPOTrainer.odds_ratio_loss``, except that the NLL
-      is each pair's own token mean (TRL averages over the batch's chosen tokens: the same when the
-      chosen completions are equally long), so that the loss is a mean over pairs.
+      is each pair's own mean over its chosen completion, so that the loss is a mean over pairs
+      (TRL's is the mean over every chosen token of the batch, prompt tokens included: the same
+      when the chosen completions are equally long and the prompt is one token).
     """
     beta, eps = cfg.beta, cfg.label_smoothing
     if objective == "dpo":
@@ -340,6 +390,12 @@ def stats_row(values: list[float], pairs: int, prefix: str = "") -> dict[str, fl
 # -- the reference's log-probabilities (full fine-tuning) --------------------------------------------
 
 
+REFERENCE_RECORD = "reference.json"
+"""The record of a reference folder (:func:`compute_reference`): the reference weights' digest
+(``model_sha256``, ``checkpoint.format.base_model_identity``) and the rows' identities
+(:func:`rows_identity`) of its ``train`` and ``eval`` parts."""
+
+
 def reference_dir(dataset_path: str | Path, model_digest: str) -> Path:
     """Where the reference log-probabilities of the tokenized dataset at ``dataset_path`` (its
     ``train`` folder) under reference weights of digest ``model_digest`` are kept: beside it."""
@@ -364,9 +420,10 @@ def compute_reference(
     ``dataset_path`` (and ``eval_path``) under the weights in ``model_path``: per row, each
     completion's summed log-probability by sequence id (``REFERENCE_COLUMN``, ``slots`` floats),
     in one process, fp32, with the stage code training runs (document mask, chunked lm_head). Kept
-    in :func:`reference_dir` (the weights' digest in its name) and reused when there: a retry or a
-    recurring run computes nothing again. Returns the folder (``train`` and, with eval rows,
-    ``eval``)."""
+    in :func:`reference_dir` (the weights' digest in its name) and reused when its record says it
+    holds these rows' values under these weights: a retry or a recurring run computes nothing
+    again (a folder left from rows since rewritten is computed anew). Returns the folder
+    (``train`` and, with eval rows, ``eval``)."""
     import json
     import os
     import shutil
@@ -375,7 +432,8 @@ def compute_reference(
 
     digest = base_model_identity(model_path)["sha256"]
     out = reference_dir(dataset_path, digest)
-    if (out / "reference.json").exists():
+    rows = splits_identity(dataset_path, eval_path)
+    if not reference_problem(out, model_sha256=digest, rows=rows):
         return out
     stage = _reference_stage(model_path, torch.device(device))
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -383,14 +441,71 @@ def compute_reference(
     for name, path in (("train", dataset_path), ("eval", eval_path)):
         if path is not None:
             _reference_rows(stage, path, rows_per_batch).save_to_disk(str(tmp / name))
-    (tmp / "reference.json").write_text(json.dumps({"model_sha256": digest, "rows": str(dataset_path)}))
+    (tmp / REFERENCE_RECORD).write_text(json.dumps({"model_sha256": digest, "rows": rows}))
+    if out.exists() and reference_problem(out, model_sha256=digest, rows=rows):
+        shutil.rmtree(out)  # computed for rows since rewritten in place (or by an older version): stale
     try:
         tmp.rename(out)
     except OSError:
-        if not (out / "reference.json").exists():
+        if reference_problem(out, model_sha256=digest, rows=rows):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def rows_identity(path: str | Path) -> dict:
+    """What the reference values of the tokenized rows at ``path`` are aligned with: the name of
+    the folder holding them (the tokenize step names it by the rows' fingerprint,
+    ``<cache_dir>/<fingerprint>/train``), which split they are, and how many rows there are."""
+    from datasets import load_from_disk
+
+    path = Path(path)
+    return {"fingerprint": path.resolve().parent.name, "split": path.name, "num_rows": len(load_from_disk(str(path)))}
+
+
+def splits_identity(dataset_path: str | Path, eval_path: str | Path | None) -> dict:
+    """The :func:`rows_identity` of the training rows (``train``) and of the eval rows (``eval``,
+    None without them), as a reference folder's record holds them."""
+    return {"train": rows_identity(dataset_path), "eval": rows_identity(eval_path) if eval_path else None}
+
+
+def reference_problem(reference: str | Path, *, model_sha256: str, rows: dict) -> str | None:
+    """Why the reference folder ``reference`` does not hold the reference log-probabilities of
+    ``rows`` (:func:`splits_identity`) under the weights of digest
+    ``model_sha256``, in words; None when it does (its :data:`REFERENCE_RECORD` says so)."""
+    import json
+
+    record_path = Path(reference) / REFERENCE_RECORD
+    if not record_path.is_file():
+        return f"{reference} holds no {REFERENCE_RECORD}: it is not a folder the reference step wrote"
+    record = json.loads(record_path.read_text())
+    if record.get("model_sha256") != model_sha256:
+        theirs, ours = str(record.get("model_sha256"))[:12], model_sha256[:12]
+        return f"its values are those of other weights (sha256 {theirs}…) than the model's (sha256 {ours}…)"
+    saved = record.get("rows") if isinstance(record.get("rows"), dict) else {}
+    for split, ident in rows.items():
+        if ident is not None and saved.get(split) != ident:
+            return f"its {split} values are those of other rows ({saved.get(split)}) than the job's ({ident})"
+    return None
+
+
+def check_reference(
+    reference_path: str | Path, model_path: str | Path, dataset_path: str, eval_path: str | None
+) -> None:
+    """Refuse, with a ``ValueError`` naming the job's keys and the fix, a reference folder that
+    does not hold the reference log-probabilities of the rows at ``dataset_path`` (and
+    ``eval_path``) under the weights in ``model_path`` (:func:`reference_problem`). Hashes the
+    weights, as the reference step does."""
+    from .checkpoint.format import base_model_identity
+
+    digest = base_model_identity(model_path)["sha256"]
+    why = reference_problem(reference_path, model_sha256=digest, rows=splits_identity(dataset_path, eval_path))
+    if why:
+        raise ValueError(
+            f"job reference_path={reference_path} does not match the job's model_path={model_path} "
+            f"(model.name_or_path) and rows (dataset_path={dataset_path}, eval_dataset_path={eval_path}): {why}; "
+            "rerun the reference step (neuron_parallel.preference.compute_reference) for this model and these rows"
+        )
 
 
 def _reference_stage(model_path: str | Path, device: torch.device):

@@ -10,7 +10,8 @@ tokenized once (``add_special_tokens=False``, with offsets) and a token is train
   the generation prompt to the end of the rendering up to and including it, so every assistant
   turn of a multi-turn conversation is trained (its end marker included) and every system, user
   and tool turn is masked. A template for which those renderings are not prefixes of one another
-  is refused.
+  is refused. Where they end is read from the one rendering of the whole conversation when its
+  layout vouches for that (``neuron_parallel.chat``); otherwise they are rendered.
 - ``instruction``: with a chat template (``data.chat_template`` or the tokenizer's), a two-turn
   chat: user = instruction, plus two newlines and the input when it is not empty; assistant =
   response. Without one, the plain prompt ``### Instruction:\\n{instruction}\\n\\n### Input:\\n
@@ -27,12 +28,15 @@ text document longer than a row is instead cut into ``block_size`` pieces, each 
 
 from __future__ import annotations
 
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .chat import ChatRenderer
 from .config import DataConfig
+from .utils import gc_paused
 
 ROLES = ("system", "user", "assistant", "tool")
 ALPACA = ("instruction", "input", "output")
@@ -97,7 +101,8 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             raise ValueError(f"{where}: message {j} is not a dict with a role and a string content ({m!r:.80}); {fix}")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: message {j} has role {m['role']!r}; {fix}")
-        out.append({k: v for k, v in m.items() if v is not None})
+        # Fields left None (other rows' fields, in Arrow's struct) are dropped; a message without any is kept as is.
+        out.append(m if all(v is not None for v in m.values()) else {k: v for k, v in m.items() if v is not None})
     return out
 
 
@@ -107,75 +112,47 @@ class Renderer:
     def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], template: str | None) -> None:
         self.data, self.tokenizer, self.columns, self.template = data, tokenizer, columns, template
         self.name = data.chat_template or f"the chat template of the tokenizer {tokenizer.name_or_path}"
-        self._compiled = None  # the fast path: None untried, False unavailable (see _render_fast)
-
-    def _render_fast(self, conversations: list[list[dict]], generation: bool) -> list[str] | None:
-        """The template, compiled once by transformers' own compiler, rendered with the variables
-        ``apply_chat_template`` gives it (messages, add_generation_prompt, the special tokens).
-        ``apply_chat_template`` prepares every message for every call (most of its time on
-        conversations of a few turns); these messages are already plain dicts of strings, which
-        that preparation leaves as they are. Checked against ``apply_chat_template`` on the first
-        batch: any difference, or a transformers without the compiler, keeps the slow path."""
-        if self._compiled is False:
-            return None
-        if self._compiled is None:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                self._compiled = _compile_jinja_template(self.template)
-            except Exception:
-                self._compiled = False
-                return None
-            probe = conversations[:8]
-            kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
-            try:
-                same = self.tokenizer.apply_chat_template(probe, **kw) == self._fast(probe, generation)
-            except Exception:
-                same = False
-            if not same:
-                self._compiled = False
-                return None
-        try:
-            return self._fast(conversations, generation)
-        except Exception:
-            return None  # the slow path renders them again and names a refused row
-
-    def _fast(self, conversations: list[list[dict]], generation: bool) -> list[str]:
-        special = self.tokenizer.special_tokens_map
-        return [self._compiled.render(messages=c, add_generation_prompt=generation, **special) for c in conversations]
-
-    def _render_many(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
-        """Render ``conversations`` in one ``apply_chat_template`` call (its per-call work is paid
-        once per batch); when the template refuses one, render them one by one to name it."""
-        if not conversations:
-            return []
-        fast = self._render_fast(conversations, generation) if all(conversations) else None
-        if fast is not None:
-            return fast
-        kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
-        try:
-            return self.tokenizer.apply_chat_template(conversations, **kw)
-        except Exception:
-            for conversation, where in zip(conversations, wheres):
-                try:
-                    self.tokenizer.apply_chat_template(conversation, **kw)
-                except Exception as e:  # a template's own refusal (raise_exception) or a Jinja error
-                    raise ValueError(f"{where}: {self.name} cannot render this conversation: {e}") from None
-            raise
+        self.chat = ChatRenderer(tokenizer, template, self.name) if template is not None else None
 
     def chats(self, conversations: list[list[dict]], wheres: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
         """Each rendered conversation and the span of every assistant turn (see the module
-        docstring): the whole conversation, and for each assistant turn k the first k messages
-        with the generation prompt and the first k + 1, rendered in three batched calls."""
-        full = self._render_many(conversations, wheres, False)
+        docstring): each conversation rendered once, its spans read from that rendering where its
+        layout vouches for them (``neuron_parallel.chat``), else from its prefixes rendered."""
+        if not conversations:
+            return []
+        full = self.chat.render(conversations, wheres, False)
         if self.data.train_on_prompt:
             return [(text, [(0, len(text))]) for text in full]
+        cuts = [
+            [cut for k, m in enumerate(c) if m["role"] == "assistant" for cut in ((k, True), (k + 1, False))]
+            for c in conversations
+        ]
+        spans: list = [None] * len(conversations)
+        for i, lengths in enumerate(self.chat.cut_lengths(conversations, full, cuts)):
+            pairs = None if lengths is None else list(zip(lengths[::2], lengths[1::2]))
+            if pairs is not None and all(a <= b for a, b in pairs):
+                spans[i] = pairs
+        slow = [i for i, s in enumerate(spans) if s is None]
+        if slow:
+            found = self._rendered_spans(
+                [conversations[i] for i in slow], [wheres[i] for i in slow], [full[i] for i in slow]
+            )
+            for i, s in zip(slow, found):
+                spans[i] = s
+        return list(zip(full, spans))
+
+    def _rendered_spans(
+        self, conversations: list[list[dict]], wheres: list[str], full: list[str]
+    ) -> list[list[tuple[int, int]]]:
+        """The assistant spans of ``conversations`` (rendered as ``full``) by the definition: for
+        each assistant turn k the first k messages with the generation prompt and the first k + 1,
+        rendered in two batched calls; ValueError for a template for which they are not prefixes."""
         turns = [(i, k) for i, c in enumerate(conversations) for k, m in enumerate(c) if m["role"] == "assistant"]
-        before = self._render_many([conversations[i][:k] for i, k in turns], [wheres[i] for i, _ in turns], True)
+        before = self.chat.render([conversations[i][:k] for i, k in turns], [wheres[i] for i, _ in turns], True)
         # The first k + 1 messages of a conversation that ends there are the whole conversation.
         partial = [(i, k) for i, k in turns if k + 1 < len(conversations[i])]
         through_k = [conversations[i][: k + 1] for i, k in partial]
-        upto = dict(zip(partial, self._render_many(through_k, [wheres[i] for i, _ in partial], False)))
+        upto = dict(zip(partial, self.chat.render(through_k, [wheres[i] for i, _ in partial], False)))
         spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
         for (i, k), head in zip(turns, before):
             through = upto.get((i, k), full[i])
@@ -187,7 +164,7 @@ class Renderer:
                     "template that does (neuron_parallel/chat_templates/), or set data.train_on_prompt: true"
                 )
             spans[i].append((len(head), len(through)))
-        return list(zip(full, spans))
+        return spans
 
     def batch(self, rows: list[dict], wheres: list[str]) -> list[tuple[str, list[tuple[int, int]], bool]]:
         """Every row rendered: ``(text, trained character spans, append EOS)``."""
@@ -232,7 +209,8 @@ def _string(row: dict, column: str, where: str) -> str:
 class Encoder:
     """The batched ``datasets.map`` function of one source: ``{"ids", "trained"}`` per example
     (``trained`` is 1 where the token carries loss as a target; text, which trains every token,
-    has no ``trained``). Picklable for ``num_proc``."""
+    has no ``trained``), as Arrow list columns for the formats that mask (:func:`masked_table`).
+    Picklable for ``num_proc``."""
 
     def __init__(self, data: DataConfig, tokenizer, columns: dict[str, str | None], where: str) -> None:
         self.data, self.tokenizer, self.columns, self.where = data, tokenizer, columns, where
@@ -251,7 +229,11 @@ class Encoder:
             )
         self.render = Renderer(data, tokenizer, columns, template) if data.format != "text" else None
 
-    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+    def __call__(self, batch: dict[str, list], indices: list[int]):
+        with gc_paused():
+            return self._encode(batch, indices)
+
+    def _encode(self, batch: dict[str, list], indices: list[int]):
         if self.render is None:
             texts = batch[self.columns["text"]]
             if self.tokenizer.is_fast:
@@ -264,15 +246,36 @@ class Encoder:
         # The Rust tokenizer itself (what the fast tokenizer's __call__ runs): its encodings carry
         # ids and offsets without the conversion to Python lists of every other field.
         encodings = self.tokenizer.backend_tokenizer.encode_batch([t for t, _, _ in rendered], add_special_tokens=False)
-        out_ids, out_trained = [], []
-        for (_, spans, eos), enc in zip(rendered, encodings):
-            ids = enc.ids
-            trained = in_spans(np.asarray([s for s, _ in enc.offsets], dtype=np.int64), spans)
-            if eos:
-                ids, trained = ids + [self.eos], np.append(trained, True)
-            out_ids.append(ids)
-            out_trained.append(trained.astype(np.int8).tolist())
-        return {"ids": out_ids, "trained": out_trained}
+        return masked_table(encodings, rendered, self.eos)
+
+
+def masked_table(encodings, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
+    """The ``ids`` and ``trained`` columns (Arrow lists) of examples ``rendered`` as ``(text,
+    trained character spans, append EOS)`` and tokenized as ``encodings``: a token is trained when
+    its first character lies in one of its example's spans; an appended EOS always is. Built from
+    flat arrays of the whole batch, in one search: each example's characters are counted after
+    those of the examples before it, plus one, so that no position is shared."""
+    import pyarrow as pa
+
+    counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    total = int(counts.sum())
+    flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=total)
+    starts = np.fromiter((s for e in encodings for s, _ in e.offsets), dtype=np.int64, count=total)
+    base = np.cumsum([0] + [len(text) + 1 for text, _, _ in rendered])[:-1]
+    spans = [(a + b, e + b) for (_, ex, _), b in zip(rendered, base.tolist()) for a, e in ex]
+    trained = in_spans(starts + np.repeat(base, counts), spans)
+    with_eos = np.fromiter((e for _, _, e in rendered), dtype=bool, count=len(rendered))
+    if with_eos.any():
+        at = np.cumsum(counts)[with_eos]
+        flat, trained = np.insert(flat, at, eos), np.insert(trained, at, True)
+        counts = counts + with_eos
+    offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    return pa.table(
+        {
+            "ids": pa.ListArray.from_arrays(offsets, pa.array(flat)),
+            "trained": pa.ListArray.from_arrays(offsets, pa.array(trained.astype(np.int8))),
+        }
+    )
 
 
 def in_spans(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -49,7 +49,7 @@ from .mesh import ParallelDims, close_distributed, exit_rank, init_distributed, 
 from .optim import lr_at
 from .planning.layout import check_layout
 from .planning.memory import ModelShape, job_rank_memory
-from .preference import PAIR_LOSS_RULE, STATS, stats_row
+from .preference import PAIR_LOSS_RULE, STATS, check_reference, stats_row
 from .reporting import EtaClock, MetricsReporter, metrics_reporter, peak_memory_bytes, read_metrics
 from .run_files import JOB_FILE, MEMORY_FILE, METRICS_FILE
 from .step_log import PendingStep, StepRows
@@ -66,11 +66,12 @@ LOSS_RULE = (
     "whatever the layout, accumulation or pipeline microbatching"
 )
 """How a step's loss is normalised. Every micro-batch's backward sees its summed token loss ×
-dp / N, where N counts the labelled tokens of the global batch (every rank counts them on the
-host from the rows' labels, ``BlockStream.num_targets``); the dp all-reduce of gradients
-averages (÷ dp), so the update is the gradient of the global mean, exactly as one process
-computes it. A mean per micro-batch would not be: SFT rows hold different numbers of trained
-tokens."""
+dp·cp / N, where N counts the labelled tokens of the global batch (every rank counts them on the
+host from the rows' labels, ``BlockStream.num_targets``); the all-reduce of gradients over the
+dp × cp ranks averages (÷ dp·cp), so the update is the gradient of the global mean, exactly as
+one process computes it (under context parallelism a rank's summed loss is that of its positions
+of the rows, and the cp ranks' gradients add up to the rows'). A mean per micro-batch would not
+be: SFT rows hold different numbers of trained tokens."""
 _LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
 
 CheckpointHook = Callable[["Trainer", int], None]
@@ -228,15 +229,16 @@ class Trainer:
         num_targets = self.stream.num_targets(base, job.global_batch_size)
         pairs = self.stream.num_pairs(base, job.global_batch_size) if self.engine.preference else None
         # PAIR_LOSS_RULE under a preference objective: the same rule with pairs in place of tokens.
-        scale = dp / max(num_targets if pairs is None else pairs, 1)
+        scale = self.dims.dp_cp / max(num_targets if pairs is None else pairs, 1)
         loss_sum = torch.zeros(() if pairs is None else (len(STATS),), device=self.engine.device)
         for a, batch in enumerate(batches):
             # The last micro-batch's backward starts the dp reduction, bucket by bucket.
             loss_sum += self.engine.forward_backward(batch, scale, last=a == len(batches) - 1)
         grad_norm = self.engine.reduce_and_clip()
         # The loss total travels during the optimizer step. Started only now, after every gradient
-        # bucket, so that each dp rank issues its collectives in the same order.
-        loss_total = dist.all_reduce(loss_sum, group=self.dims.group("dp"), async_op=True)
+        # bucket, so that each dp rank issues its collectives in the same order. Each dp × cp rank
+        # holds its share (Engine.forward_backward).
+        loss_total = dist.all_reduce(loss_sum, group=self.dims.group("dp_cp"), async_op=True)
         lr = lr_at(step, tc)
         self.engine.optimizer_step(lr)
         loss_total.wait()
@@ -263,8 +265,10 @@ class Trainer:
         ]
         width = (len(STATS),) if self.engine.preference else ()
         mine = torch.stack(rounds) if rounds else torch.zeros((0, *width), device=device)
-        everyone = [torch.empty_like(mine) for _ in range(dp)]
-        dist.all_gather(everyone, mine, group=self.dims.group("dp"))
+        # Each dp × cp rank's share of its rounds (Engine.eval_loss): the cp ranks of a dp rank
+        # evaluate the same rows, each its positions of them.
+        everyone = [torch.empty_like(mine) for _ in range(self.dims.dp_cp)]
+        dist.all_gather(everyone, mine, group=self.dims.group("dp_cp"))
         count = self.eval_rows.num_targets
         if self.engine.preference:  # each round's STATS: the mean per-pair values over every eval pair
             pairs = self.eval_rows.num_pairs
@@ -292,7 +296,7 @@ class Trainer:
             path = self.writer.save(
                 step,
                 model=model_tensors(self.engine),
-                optim=optim_tensors(self.engine, self.dp_rank),
+                optim=optim_tensors(self.engine, self.dims.dp_cp_rank),
                 parallel=self.job.parallel,
                 trainer_state=self.trainer_state(step, record),
                 adapter=adapter_meta(self.engine, self.base_model),
@@ -338,7 +342,7 @@ def train_job(job: JobConfig, after_checkpoint: list[CheckpointHook] | None = No
     check_layout(job)  # a layout the model cannot take fails here, before any rank loads weights
     pc = job.parallel
     timeout_s = job.launch.start_timeout_s  # launch.timeout_s once the first step is done (Trainer.run)
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=timeout_s)
+    dims = ParallelDims(dp=pc.dp, cp=pc.cp, pp=pc.pp, tp=pc.tp, device_type=job.device, timeout_s=timeout_s)
     run_dir = Path(job.output_dir)
     probe = RankMemoryProbe(job.device, exclude=("save", "load")) if job.train.profile_memory else None
     with probe or contextlib.nullcontext():
@@ -361,6 +365,7 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
             "train.objective=dpo without train.lora needs the reference log-probabilities (job reference_path); "
             "run the reference step before training, or set train.lora"
         )
+    _check_reference(job)
     ref = Path(job.reference_path) if job.reference_path else None
     stream = BlockStream(job.dataset_path, seed=tc.seed, reference=ref / "train" if ref else None)
     engine = build_engine(job, dims, local_device(job.device))
@@ -370,11 +375,13 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
         claim_run_dir(run_dir)
         _truncate_metrics(metrics_path, start_step)
     pc = job.parallel
-    layout = {"tp": pc.tp, "pp": pc.pp, "zero_1": pc.zero_1, **batch_layout(job)}
+    layout = {"tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "zero_1": pc.zero_1, **batch_layout(job)}
     emit("start", step=start_step, max_steps=tc.max_steps, world_size=dims.world_size, **layout)
+    # The ranks that hold the same parameters (dp × cp) write them once, from dp_cp rank 0, and
+    # each its own ZeRO-1 partition of the optimizer state: the checkpoint's dp rank is the dp_cp rank.
     writer = CheckpointWriter(
         run_dir,
-        coords=dims.coordinates(),
+        coords={**dims.coordinates(), "dp_rank": dims.dp_cp_rank},
         model_dir=job.model_path,
         keep=tc.keep_checkpoints,
         async_save=tc.async_save,
@@ -388,6 +395,23 @@ def _prepare(job: JobConfig, dims: ParallelDims, run_dir: Path, probe, hooks) ->
     trainer = Trainer(job, engine, stream, dims, writer, metrics_path, probe, hooks, eval_rows, eval_state, base)
     trainer.reporter = metrics_reporter(job, rank=dist.get_rank(), start_step=start_step)
     return trainer, start_step
+
+
+def _check_reference(job: JobConfig) -> None:
+    """Refuse on every rank, before any weight is loaded, a reference folder computed for another
+    model or other rows than the job's (``preference.check_reference``): checked on rank 0, which
+    hashes the weights once, and its verdict shared."""
+    if job.reference_path is None:
+        return
+    why = [None]
+    if dist.get_rank() == 0:
+        try:
+            check_reference(job.reference_path, job.model_path, job.dataset_path, job.eval_dataset_path)
+        except ValueError as e:
+            why[0] = str(e)
+    dist.broadcast_object_list(why, src=0)
+    if why[0]:
+        raise ValueError(why[0])
 
 
 def _base_identity(job: JobConfig) -> dict | None:

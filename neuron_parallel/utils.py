@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import math
 import os
 import stat
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
@@ -19,9 +22,32 @@ def names_local_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
+def check_choice(section: str, name: str, value: object, choices: tuple) -> None:
+    """Refuse a config value outside its ``choices``, naming the key and the valid values."""
+    if value not in choices:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {choices}")
+
+
 def divisors(n: int) -> list[int]:
     """Every positive divisor of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (as it was after). For batch work that
+    allocates many short-lived, acyclic containers (a tokenizing batch's token lists and message
+    dicts), which reference counting frees: the collections those allocations trigger would
+    otherwise reach the oldest generation now and then and scan every object of the process
+    (hundreds of thousands once torch and transformers are imported), a large share of the batch's
+    time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -87,6 +113,45 @@ def split_layers(num_layers: int, num_stages: int, layer_split: list[int] | None
         ranges.append(range(start, start + n))
         start += n
     return ranges
+
+
+CONTEXT_QUERY_BLOCK = 512
+"""Query positions per attention block on the context-parallel path of devices without a
+block-sparse kernel (neuron, CPU; ``neuron_parallel.parallel.context``): one block's scores and
+mask (``block × S`` per head) exist at a time, in forward and again in backward, which recomputes
+them. 512 is the tile of torch-neuronx's flash-attention kernel."""
+
+
+def context_block_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """What ``data.block_size`` must be a multiple of under context parallelism of degree ``cp``:
+    ``2·cp`` (each row is cut into 2·cp equal chunks, ``neuron_parallel.parallel.context``), and
+    under sequence parallelism also ``cp·tp`` (each rank's S/cp positions split over tp)."""
+    if cp == 1:
+        return 1
+    return math.lcm(2 * cp, cp * tp) if sequence_parallel else 2 * cp
+
+
+def context_problem(cp: int, block_size: int, tp: int = 1, sequence_parallel: bool = False) -> str | None:
+    """Why context parallelism of degree ``cp`` cannot cut rows of ``block_size`` tokens (None when
+    it can, :func:`context_block_multiple`): the message names both keys and the values that would do."""
+    need = context_block_multiple(cp, tp, sequence_parallel)
+    if block_size % need == 0:
+        return None
+    why = f"2·cp = {2 * cp} equal chunks" + (
+        f" whose S/cp positions split over tp={tp} (sequence parallelism)" if sequence_parallel else ""
+    )
+    valid = [c for c in divisors(block_size) if block_size % context_block_multiple(c, tp, sequence_parallel) == 0]
+    return (
+        f"data.block_size={block_size} does not split over parallel.cp={cp}: context parallelism cuts each row "
+        f"into {why}; use a data.block_size that is a multiple of {need} (e.g. {-(-block_size // need) * need}), "
+        f"or parallel.cp in {valid}"
+    )
+
+
+def check_context_split(block_size: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Refuse (ValueError) a row length the cp sharding cannot cut (:func:`context_problem`)."""
+    if problem := context_problem(cp, block_size, tp, sequence_parallel):
+        raise ValueError(problem)
 
 
 def write_line(text: str) -> None:

@@ -6,7 +6,7 @@ only (``neuron_parallel.hub.published_config``)."""
 import json
 from pathlib import Path
 
-from neuron_parallel.config import PLANNED_FIELDS, JobConfig, resolve_precision
+from neuron_parallel.config import PLANNED_FIELDS, JobConfig, TrainConfig, resolve_precision
 from neuron_parallel.data import AUDIT_FILE
 from neuron_parallel.hub import base_model_license, card_data_table, published_name, write_model_card
 from neuron_parallel.launch import TrainResult
@@ -19,7 +19,8 @@ from .config import FinetuneConfig
 
 
 def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLayout) -> dict[str, object]:
-    """The model card's training summary: steps, losses, tokens, layout and hardware."""
+    """The model card's training summary: steps, losses, tokens, layout and hardware; under a
+    preference objective also the objective and its reward figures (:func:`preference_summary`)."""
     metrics, pc = result.last_metrics, layout.parallel
     summary = {
         "steps": result.final_step,
@@ -36,7 +37,34 @@ def card_summary(config: FinetuneConfig, result: TrainResult, layout: CheckedLay
     lora = config.train.lora
     if lora is not None:
         summary["LoRA"] = f"r={lora.r} alpha={lora.alpha:g} on {', '.join(lora.target_modules)} ({config.hub.upload})"
+    train = config.library("train", micro_batch_size=1)  # the micro batch plays no part here
+    if train.objective != "sft":
+        summary.update(preference_summary(train, metrics))
     return summary
+
+
+PREFERENCE_FIGURES = ("rewards_accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected")
+"""The reward figures of a preference run the card shows, at the last step and on the eval pairs
+(``neuron_parallel.preference.stats_row``'s names)."""
+
+
+def preference_summary(train: TrainConfig, metrics: dict) -> dict[str, object]:
+    """The card's rows of a preference run (``train``: the run's training settings): its objective
+    with the settings it takes, and the last step's reward figures (``final …``) and the eval
+    pairs' (``eval …``), where measured. The loss rows above it are then the objective's loss, a
+    mean over pairs."""
+    pref, objective = train.preference, train.objective
+    settings = {
+        "dpo": f"{pref.loss_type}, beta={pref.beta:g}, label_smoothing={pref.label_smoothing:g}",
+        "simpo": f"beta={pref.beta:g}, gamma={pref.gamma:g}, label_smoothing={pref.label_smoothing:g}",
+        "orpo": f"beta (the odds-ratio weight λ)={pref.beta:g}",
+    }[objective]
+    rows: dict[str, object] = {"objective": f"{objective} ({settings})"}
+    for prefix, label in (("", "final"), ("eval_", "eval")):
+        for name in PREFERENCE_FIGURES:
+            if prefix + name in metrics:
+                rows[f"{label} {name}"] = round(metrics[prefix + name], 4)
+    return rows
 
 
 def card_config(config: FinetuneConfig, layout: CheckedLayout) -> dict:

@@ -52,7 +52,7 @@ from neuron_parallel.urls import PUBLIC_HUB, base_url, encrypted_or_local, redac
 
 AUTO = "auto"
 DERIVED = {
-    "parallel.dp": "dp is the world size / (tp × pp)",
+    "parallel.dp": "dp is the world size / (cp × tp × pp)",
     "train.grad_accum": "gradient accumulation is global_batch_size / (micro_batch_size × dp); set "
     "train.global_batch_size and, if you want, train.micro_batch_size",
 }
@@ -283,7 +283,12 @@ class FinetuneConfig(_Section):
                 f"train.resume_from={train.resume_from!r} does not exist; name a run directory or one of its "
                 "checkpoint-<step> folders, or unset it"
             )
-        check_pinned(self.pinned(), world_size=self.world_size, layer_split=self.parallel.layer_split)
+        check_pinned(
+            self.pinned(),
+            world_size=self.world_size,
+            layer_split=self.parallel.layer_split,
+            block_size=self.data.block_size,
+        )
         layout = self.pinned_layout()
         if layout is not None:  # everything pinned: the batch rule is checkable now
             self.to_job(model_path="", dataset_path="", layout=layout)

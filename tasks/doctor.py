@@ -42,7 +42,9 @@ def doctor_target(
         from neuron_parallel.config import ParallelConfig
 
         pinned = config.pinned()
-        parallel = ParallelConfig.for_world(config.world_size, tp=pinned.get("tp", 1), pp=pinned.get("pp", 1))
+        parallel = ParallelConfig.for_world(
+            config.world_size, tp=pinned.get("tp", 1), pp=pinned.get("pp", 1), cp=pinned.get("cp", 1)
+        )
         micro_batch = pinned.get("micro_batch_size", 1)
     train = config.library("train", micro_batch_size=1)
     return DoctorTarget(

@@ -22,6 +22,7 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
         "dp": pc.dp,
         "tp": pc.tp,
         "pp": pc.pp,
+        "cp": pc.cp,
         "zero_1": pc.zero_1,
         "sequence_parallel": pc.sequence_parallel,
         "num_microbatches": pc.num_microbatches,
@@ -49,13 +50,13 @@ def plan(config: FinetuneConfig, dataset: TokenizedDataset) -> CheckedLayout:
 
 
 def ranking_rows(search, limit: int = 25) -> list[dict]:
-    """The best ``limit`` fitting layouts, then one rejected layout per (tp, pp) with its reason."""
+    """The best ``limit`` fitting layouts, then one rejected layout per (tp, pp, cp) with its reason."""
     rows, seen = [], set()
     fitting = [c for c in search.candidates if c.fits][:limit]
     rejected = []
     for c in search.candidates:
-        if not c.fits and (c.tp, c.pp) not in seen:
-            seen.add((c.tp, c.pp))
+        if not c.fits and (c.tp, c.pp, c.cp) not in seen:
+            seen.add((c.tp, c.pp, c.cp))
             rejected.append(c)
     for i, c in enumerate(fitting + rejected[:limit]):
         rows.append(

@@ -93,7 +93,10 @@ def preflight(
     if check_upload and config.hub.repo_id:
         check_hub(config.hub.endpoint, config.hub.repo_id, hub_token)
     check_evaluation(config)
-    advice = block_size_advice(config.launch.device, config.library("data").documents, config.data.block_size, head_dim)
+    cp = config.pinned().get("cp", 1)  # an auto cp is chosen by the plan, whose notes say the same
+    advice = block_size_advice(
+        config.launch.device, config.library("data").documents, config.data.block_size, head_dim, cp
+    )
     if advice:
         warn(f"preflight: warning: {advice}")
     return config
@@ -158,6 +161,7 @@ def plan(
         lora=config.library("train", micro_batch_size=1).lora,
         memory_fraction=config.launch.memory_fraction,
         documents=config.library("data").documents,
+        objective=config.train.objective,
     )
     checked = check_layout(config.to_job(model_path=model, dataset_path=dataset_path, layout=resolved))
     best = resolved.chosen

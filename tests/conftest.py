@@ -206,6 +206,26 @@ def pytest_sessionfinish(session, exitstatus):
     close_pools()
 
 
+def kill_9_once(path: Path, timeout_s: float = 240):
+    """An ``on_start`` for ``neuron_parallel.testing.ranks.run_ranks``: as soon as ``path`` exists
+    (a checkpoint's ``COMPLETE`` marker), SIGKILL torchrun and every rank at once, as a node dying
+    would end them."""
+    import time
+
+    from neuron_parallel.procs import process_tree
+
+    def kill(proc) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            assert proc.poll() is None, f"the run ended before {path} existed"
+            assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
+            time.sleep(0.01)
+        for pid in process_tree(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+    return kill
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -215,6 +235,7 @@ PINNED_LAYOUT = [
     for k, v in (
         ("tp", 1),
         ("pp", 1),
+        ("cp", 1),
         ("zero_1", "false"),
         ("sequence_parallel", "false"),
         ("num_microbatches", 1),

@@ -5,6 +5,7 @@ checkpoint carries, and the identity of a LoRA checkpoint's base model.
 run_dir/checkpoint-<step>/
   shards/tp_rank_XX_pp_rank_YY/model.safetensors        local model shards of that (tp, pp) rank
   shards/tp_rank_XX_pp_rank_YY/optim/dp_rank_ZZ.safetensors   optimizer state held by that dp rank
+                                                        (the dp × cp rank under context parallelism)
   config.json, generation_config.json, tokenizer files  copied from the model, so a checkpoint
                                                         consolidates on its own
   trainer_state.json   step, tokens seen, data position, LR schedule, seeds, last metrics

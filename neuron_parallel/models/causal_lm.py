@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from ..parallel.context import BlockedMask, ContextMask, ContextShard, blocked_attention
 from ..parallel.dtensor import local, local_view
 from ..planning.attention import LOSS_CHUNK_BYTES, loss_chunk_tokens
 
@@ -67,7 +68,18 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     value ``(batch, heads, seq, head_dim)``; returns ``(batch, seq, heads, head_dim)`` and no
     weights). A FlexAttention ``BlockMask`` (:func:`document_block_mask`) runs FlexAttention,
     with grouped K/V heads as they are (``enable_gqa``); anything else (no mask: the causal path;
-    an explicit mask) runs Hugging Face's scaled-dot-product attention unchanged."""
+    an explicit mask) runs Hugging Face's scaled-dot-product attention unchanged. Under context
+    parallelism the mask is a :class:`~neuron_parallel.parallel.context.ContextMask`: the keys and
+    values of every cp rank are gathered first, in global order, and the local queries attend to
+    them under its mask: FlexAttention's block mask as above, or a
+    :class:`~neuron_parallel.parallel.context.BlockedMask` through
+    :func:`~neuron_parallel.parallel.context.blocked_attention` (a block of queries at a time)."""
+    if isinstance(attention_mask, ContextMask):
+        key, value = attention_mask.shard.gather(key), attention_mask.shard.gather(value)
+        attention_mask = attention_mask.mask
+    if isinstance(attention_mask, BlockedMask):
+        out = blocked_attention(query, key, value, attention_mask, scale=scaling, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, BlockMask):
         gqa = query.shape[1] != key.shape[1]
         out = _flex(query.device.type)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
@@ -118,6 +130,13 @@ class CausalLMStage(nn.Module):
     (:func:`neuron_parallel.batches.causal_rows`), the rows take the mask-free causal path
     instead, the positions still giving the rotary positions (and the pipeline its shapes).
 
+    Under context parallelism (``context``, a :class:`~neuron_parallel.parallel.context.ContextShard`
+    set by the engine; None otherwise) a stage sees ``S / cp`` positions of each row, always with
+    their ``positions``, and ``documents``: the document number of every position of the whole
+    rows (rows, S), its third input, handed on with the positions to the next stage. Attention
+    then gathers every cp rank's keys and values and masks by global index (and by document unless
+    ``mask_documents`` is False): :meth:`context_mask`.
+
     The last stage returns logits, or with ``return_logits = False`` the final norm's output,
     which :meth:`loss` turns into the loss a chunk of tokens at a time (the engine's way).
     """
@@ -138,6 +157,8 @@ class CausalLMStage(nn.Module):
         self.mask_documents = True
         self.flex_attention: bool | None = None
         """Whether packed rows attend through FlexAttention; None: on CUDA only."""
+        self.context: ContextShard | None = None
+        """This rank's place on the cp axis under context parallelism (None: whole rows)."""
         self.loss_chunk_bytes = LOSS_CHUNK_BYTES
 
     def full_seq_len(self, x: torch.Tensor) -> int:
@@ -145,13 +166,19 @@ class CausalLMStage(nn.Module):
         return x.shape[1] if self.first else x.shape[1] * self.sequence_shards
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        seq_len: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         h = self.model.embed_tokens(x) if self.first else x
         local_h = local(h)
         if positions is None:
             seq_len = seq_len or self.full_seq_len(x)
             position_ids, mask = torch.arange(seq_len, device=local_h.device).unsqueeze(0), None
+        elif self.context is not None:
+            mask, position_ids = self.context_mask(positions, documents, local_h.dtype), positions
         else:
             mask = self.document_mask(positions, local_h.dtype) if self.mask_documents else None
             position_ids = positions
@@ -164,7 +191,9 @@ class CausalLMStage(nn.Module):
         if self.last:
             h = self.model.norm(h)
             return self.lm_head(h) if self.return_logits else h
-        return h if positions is None else (h, positions)
+        if positions is None:
+            return h
+        return (h, positions) if documents is None else (h, positions, documents)
 
     def document_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> BlockMask | torch.Tensor:
         """The mask of rows packed from documents, built once per forward for every layer: a
@@ -174,16 +203,38 @@ class CausalLMStage(nn.Module):
         dtype, else ``dtype``), which scaled-dot-product attention uses as it is. A boolean mask
         would be converted to that in every layer, and the CPU kernel keeps each layer's
         converted copy for backward."""
-        flex = self.flex_attention
-        if flex is None:
-            flex = positions.device.type == "cuda" and not (self.training and self.config.attention_dropout)
-        if flex:
+        if self._flex(positions.device):
             return document_block_mask(positions)
-        device = positions.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
         allowed = document_causal_mask(positions)
+        dtype = self._mask_dtype(positions.device, dtype)
         return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
+
+    def context_mask(self, positions: torch.Tensor, documents: torch.Tensor | None, dtype: torch.dtype) -> ContextMask:
+        """Under context parallelism, the mask of this rank's queries (``positions``' shape) over
+        the whole rows: causal by global index, within one document of ``documents`` unless
+        ``mask_documents`` is False. A FlexAttention block mask where :meth:`document_mask` would
+        take one, else the blocked path's (:class:`~neuron_parallel.parallel.context.BlockedMask`,
+        built a block of queries at a time, additive in :meth:`document_mask`'s dtype)."""
+        device = positions.device
+        return self.context.mask(
+            positions.shape[-1],
+            documents if self.mask_documents else None,
+            device=device,
+            flex=self._flex(device),
+            dtype=self._mask_dtype(device, dtype),
+        )
+
+    def _flex(self, device: torch.device) -> bool:
+        """Whether masks are FlexAttention block masks: ``flex_attention``, or by default on CUDA
+        unless attention dropout is on in training (FlexAttention has none)."""
+        if self.flex_attention is not None:
+            return self.flex_attention
+        return device.type == "cuda" and not (self.training and self.config.attention_dropout)
+
+    @staticmethod
+    def _mask_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention computes in: the autocast dtype, else ``dtype``."""
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """:func:`causal_lm_loss` of this (last) stage's lm_head over ``hidden``, the final norm's

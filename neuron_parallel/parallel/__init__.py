@@ -6,9 +6,14 @@
   replicated KV heads when tp exceeds them);
 * ``pipeline``: pipeline parallelism (which stages a rank holds, building them, running a
   ``torch.distributed.pipelining`` schedule);
-* ``data_parallel``: averaging gradients over dp, bucket by bucket while backward runs
-  (``GradReducer``);
-* ``zero``: ZeRO-1, the optimizer state sharded over dp (``Zero1Optimizer``);
+* ``pipeline_losses``: what the last pipeline stage computes per microbatch, by objective (the
+  token loss, the preference objectives' pair statistics, DPO under LoRA's reference pass);
+* ``context``: context parallelism (each row's sequence cut into load-balanced shards over the
+  cp ranks on the host; attention over the all-gathered keys and values, masked by global index
+  and document);
+* ``data_parallel``: averaging gradients over dp (dp × cp under context parallelism), bucket by
+  bucket while backward runs (``GradReducer``);
+* ``zero``: ZeRO-1, the optimizer state sharded over dp (dp × cp) (``Zero1Optimizer``);
 * ``lora``: low-rank adapters on a stage's linear layers, laid out for tensor parallelism.
 
 ``neuron_parallel.engine`` composes them into one rank's training step."""

@@ -50,6 +50,9 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")
+FORWARD_ACTIONS = frozenset({"F", "RECV_F", "SEND_F", "UNSHARD", "RESHARD"})
+"""The actions of a multi-stage schedule's plan that a forward-only pass runs (torch's
+``_ComputationType`` values: forward, its receive and send, FSDP's unshard and reshard)."""
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
@@ -104,13 +107,22 @@ class PipelineRunner:
     """Wraps torch.distributed.pipelining PipelineStage(s) + schedule for this rank.
 
     ``stages`` are this rank's built modules (materialised, weights loaded, possibly TP-sharded)
-    and ``stage_ids`` their global indices. ``loss_fn(output, labels)`` returns the loss of one
-    microbatch from the last stage's output, a sum over its labelled tokens
+    and ``stage_ids`` their global indices. ``loss_fn(output, labels, *extras)`` returns the value
+    of one microbatch from the last stage's output and the microbatch's rows of ``step``'s
+    ``labels`` and ``extras``: its loss, a sum over its labelled tokens
     (:func:`~neuron_parallel.models.causal_lm.causal_lm_loss` of logits, or the engine's
-    :meth:`~neuron_parallel.models.causal_lm.CausalLMStage.loss` of the final norm's output).
+    :meth:`~neuron_parallel.models.causal_lm.CausalLMStage.loss` of the final norm's output), or
+    a tensor of ``value_shape`` whose first entry is the loss (the preference objectives' summed
+    pair statistics, :class:`~neuron_parallel.parallel.pipeline_losses.PairLoss`).
     ``loss_scale`` (an attribute, settable between calls) multiplies the loss used for backward,
-    e.g. ``1 / labelled tokens of the global batch``; ``step`` returns the unscaled sum over the
-    microbatches.
+    e.g. ``1 / labelled tokens of the global batch``; ``step`` returns the unscaled values summed
+    over the microbatches.
+
+    The schedule's target is the batch's row indices, which torch splits into microbatches as
+    it splits the inputs: the loss function of a microbatch finds its rows of every per-row
+    tensor with them (an ``index_select`` on the device) and writes its value into the
+    microbatch's slot (``rows[0] // rows per microbatch``), so nothing is read back to the host
+    and the values do not depend on the order in which a schedule runs the microbatches.
     """
 
     def __init__(
@@ -123,8 +135,9 @@ class PipelineRunner:
         device: torch.device,
         schedule: str,
         num_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
         loss_scale: float = 1.0,
+        value_shape: tuple[int, ...] = (),
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one of {tuple(SCHEDULES)}")
@@ -138,11 +151,16 @@ class PipelineRunner:
         self.pp_group = pp_group
         self.device = torch.device(device)
         self.num_microbatches = num_microbatches
+        self.schedule_name = schedule
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
+        self.value_shape = tuple(value_shape)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
         self._batch_shape: tuple[int, ...] | None = None
+        self._rows: tuple[torch.Tensor, ...] = ()  # the step's labels and extras, on the last stage's rank
+        self._rows_per_microbatch = 1
+        self._values = torch.zeros(0)  # per microbatch, the step's values (num_microbatches, *value_shape)
         self.pipeline_stages = [
             PipelineStage(module, sid, num_stages, self.device, group=pp_group)
             for module, sid in zip(self.modules, self.stage_ids)
@@ -153,32 +171,71 @@ class PipelineRunner:
         cls = SCHEDULES[schedule]
         target = self.pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else self.pipeline_stages[0]
         self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._forward_plan = _forward_plan(self.schedule)
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Called on the last stage once per microbatch. The value returned is the unscaled
-        # microbatch loss (the schedule hands it back through ``losses=``); only its gradient
-        # is scaled.
-        return _ScaleGrad.apply(self.loss_fn(output, target), self.loss_scale)
+    def forward_only(self, loss_fn: Callable[..., torch.Tensor], value_shape: tuple[int, ...] = ()) -> PipelineRunner:
+        """A runner over the same stage modules, with PipelineStages and a schedule of its own, for
+        forward-only passes (``step`` under ``torch.no_grad``) with another last-stage function.
+
+        torch initialises a schedule's stages for one mode: a forward-only ``step`` of this runner
+        re-initialises them (shape inference: a forward of one microbatch per stage, receive
+        buffers allocated again), and its next training ``step`` again (a forward and a backward).
+        A pass run every training step (the reference forward of DPO under LoRA) takes the other
+        runner, whose stages stay initialised for forward-only passes: the price is its own
+        receive buffers, one activation per microbatch and stage input, for the whole run."""
+        return PipelineRunner(
+            self.modules,
+            self.stage_ids,
+            self.num_stages,
+            pp_group=self.pp_group,
+            device=self.device,
+            schedule=self.schedule_name,
+            num_microbatches=self.num_microbatches,
+            loss_fn=loss_fn,
+            value_shape=value_shape,
+        )
+
+    def _loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # Called on the last stage once per microbatch with its row indices, and once more with
+        # the first microbatch's when torch infers the stages' shapes at a schedule's first step
+        # (on buffers without values): that value goes to slot 0 before the first microbatch
+        # overwrites it. The value kept is unscaled; only the loss's gradient is scaled.
+        value = self.loss_fn(output, *(t.index_select(0, rows) for t in self._rows))
+        slot = rows[:1] // self._rows_per_microbatch
+        self._values.index_copy_(0, slot, full(value.detach()).float().unsqueeze(0))
+        return _ScaleGrad.apply(value if value.dim() == 0 else value[0], self.loss_scale)
 
     def step(
-        self, inputs: torch.Tensor | None, labels: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor | None,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *extras: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        reduce: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of one batch, split into ``num_microbatches``; gradients
-        accumulate into the stage parameters (zero them yourself). Returns the sum of the
-        microbatch losses (unscaled, detached, fp32), identical on every pp rank.
+        accumulate into the stage parameters (zero them yourself). Under ``torch.no_grad`` the
+        forward only. Returns the sum of the microbatch values (unscaled, detached, fp32),
+        identical on every pp rank; with ``reduce=False`` the values of each microbatch,
+        ``(num_microbatches, *value_shape)``, as this rank holds them (zeros where the last stage
+        does not live), without a collective.
 
         ``inputs`` (token ids) are needed only where the first stage lives; ``labels`` give the
-        targets on the last stage (every rank passes them, for the shape check). ``positions``
-        (document-packed rows) go with the inputs to the first stage, and each stage hands them
-        on with its activations. Otherwise stages find the full sequence length for rotary
+        targets on the last stage (every rank passes them, for the shape check), as do
+        ``extras``, more tensors of one row per sequence that the loss function takes (only the
+        last stage's rank needs them). ``positions`` (document-packed rows) go with the inputs to
+        the first stage, and each stage hands them on with its activations; so do ``documents``
+        under context parallelism (the document of every position of the whole rows, with the
+        positions of the rank's shard). Otherwise stages find the full sequence length for rotary
         positions from their input (see :class:`~neuron_parallel.models.causal_lm.CausalLMStage`).
-        The batch shape must stay the same across calls: receive buffers are sized on the
-        first call.
+        The batch shape must stay the same across calls: receive buffers are sized on the first
+        call.
 
         Collectives: the schedule's send/recv between neighbouring stages on ``pp_group``
-        (plus object send/recv for shape inference on the first call), then one all-reduce
-        of a scalar over ``pp_group``. Under TP + loss_parallel call this inside
-        ``loss_parallel()``.
+        (plus object send/recv for shape inference on the first call), then, with ``reduce``,
+        one all-reduce of the summed values over ``pp_group``. Under TP + loss_parallel call this
+        inside ``loss_parallel()``.
         """
         m = self.num_microbatches
         if labels.shape[0] % m:
@@ -195,23 +252,48 @@ class PipelineRunner:
             )
         if self.has_first and inputs is None:
             raise ValueError("this rank holds the first pipeline stage and needs the input ids")
-        target = to_device(labels, self.device) if self.has_last else None
+        target = None
+        if self.has_last:
+            self._rows = tuple(to_device(t, self.device) for t in (labels, *extras))
+            self._rows_per_microbatch = labels.shape[0] // m
+            target = torch.arange(labels.shape[0], device=self.device)
+        self._values = torch.zeros((m, *self.value_shape), dtype=torch.float32, device=self.device)
         args = ()
         if self.has_first:
-            args = tuple(to_device(t, self.device) for t in (inputs, positions) if t is not None)
-        losses: list[torch.Tensor] = []
+            args = tuple(to_device(t, self.device) for t in (inputs, positions, documents) if t is not None)
         if torch.is_grad_enabled():
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        else:  # forward only (evaluation)
-            self.schedule.eval(*args, target=target, losses=losses)
+            self.schedule.step(*args, target=target, return_outputs=False)
+        else:  # forward only; the stages' cached outputs are let go at once
+            plan = getattr(self.schedule, "pipeline_order_with_comms", None)
+            try:
+                if plan is not None:
+                    self.schedule.pipeline_order_with_comms = self._forward_plan
+                self.schedule.eval(*args, target=target, return_outputs=False)
+            finally:
+                if plan is not None:
+                    self.schedule.pipeline_order_with_comms = plan
+            for stage in self.pipeline_stages:
+                stage.clear_runtime_states()
+        values, self._rows = self._values, ()
+        if not reduce:
+            return values
+        total = values.sum(0)
+        # Only the last stage's rank holds the values; a sum over pp hands them to every rank.
+        dist.all_reduce(total, group=self.pp_group)
+        return total
 
-        if self.has_last:
-            loss = torch.stack([full(mb.detach()).float() for mb in losses]).sum()
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        # Only the last stage's rank holds the loss; a sum over pp hands it to every rank.
-        dist.all_reduce(loss, group=self.pp_group)
-        return loss
+
+def _forward_plan(schedule) -> dict | None:
+    """The plan of a multi-stage schedule (torch's ``_PipelineScheduleRuntime``: every action of
+    every rank, communication included) less the backward's actions; None for a single-stage
+    schedule. torch 2.13's ``eval`` runs the whole plan, whose backward actions do nothing
+    without a backward, except zbv's ``BACKWARD_INPUT`` from a stage to the previous one on the
+    same rank, which fails; the forwards keep their order, which the full plan runs without
+    deadlock, and only wait on earlier forwards, so the shorter plan runs without deadlock too."""
+    plan = getattr(schedule, "pipeline_order_with_comms", None)
+    if plan is None:
+        return None
+    return {rank: [a for a in actions if a.computation_type in FORWARD_ACTIONS] for rank, actions in plan.items()}
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -2,7 +2,8 @@
 
 Peaks, memory and bandwidths come from the vendors' public specifications (AWS's Trainium and
 EC2 instance pages, NVIDIA's datasheets), each cited where it is set; bandwidths are nominal link
-rates, and the planner's step-time model is only as good as they are. Each kind has two peaks,
+rates, and the planner's step-time model is only as good as they are; every collective also pays
+a fixed latency per call and per ring step (``NCCL_RING_LATENCY``). Each kind has two peaks,
 bf16 and fp32: the planner computes at the one of the precision the job runs
 (``HardwareSpec.peak_flops``). ``efficiency`` (the fraction of the peak a large matmul reaches)
 and ``reserved_bytes`` (runtime, collective-library buffers) are planning assumptions, stated as
@@ -30,6 +31,15 @@ from ..utils import DEVICE_BACKENDS
 
 GiB = 1 << 30
 GB = 10**9
+
+NCCL_RING_LATENCY = {"call": 8.4e-6, "link": 3.4e-6, "network": 14e-6}
+"""The latency of a ring collective in NCCL's own cost model (NVIDIA/nccl, src/graph/tuning.cc:
+ring algorithm, Simple protocol, ``baseLat`` 8.4 µs per call and ``hwLat`` 3.4 µs per step over
+NVLink, 14 µs per step over the network; a ring all-gather or reduce-scatter over n ranks takes
+n − 1 steps, an all-reduce 2(n − 1)). Every kind takes these figures unless its YAML sets its
+own: neither AWS nor gloo publish a per-call or per-hop latency for Neuron collectives or CPU,
+so there they are an assumption (a per-call floor of microseconds, as on GPUs; eager dispatch
+may cost more)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,16 @@ class HardwareSpec:
     lnc: int = 0
     """Physical NeuronCores per logical core (rank) the other figures are for; 0 where no LNC
     setting applies."""
+    memory_bw: float = 0.0
+    """Device memory (HBM) bandwidth of one rank, bytes/s: what an attention path that writes its
+    scores to memory is bound by (``neuron_parallel.planning.timing``); 0 where not modelled."""
+    call_latency: float = NCCL_RING_LATENCY["call"]
+    """Seconds every collective call (or point-to-point send) pays whatever its size: launch and
+    synchronisation (``neuron_parallel.planning.timing.collective_latency``)."""
+    link_latency: float = NCCL_RING_LATENCY["link"]
+    """Seconds per step of a ring collective between two ranks of one node (one hop of a chunk)."""
+    network_latency: float = NCCL_RING_LATENCY["network"]
+    """Seconds per step of a ring collective that crosses from one node to the next."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -80,6 +100,11 @@ class HardwareSpec:
                 raise ValueError(f"hardware {self.name}: {field} must be > 0, got {getattr(self, field)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"hardware {self.name}: efficiency must lie in (0, 1], got {self.efficiency}")
+        if self.memory_bw < 0:
+            raise ValueError(f"hardware {self.name}: memory_bw must be >= 0 (0: not modelled), got {self.memory_bw}")
+        for field in ("call_latency", "link_latency", "network_latency"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"hardware {self.name}: {field} must be >= 0 seconds, got {getattr(self, field)}")
         if self.peak_fp32_flops_per_rank < 0:
             raise ValueError(
                 f"hardware {self.name}: peak_fp32_flops_per_rank must be >= 0 (0: as peak_flops_per_rank), "
@@ -130,6 +155,7 @@ class HardwareSpec:
             peak_flops_per_rank=self.peak_flops_per_rank * lnc / self.lnc,
             peak_fp32_flops_per_rank=self.peak_fp32_flops_per_rank * lnc / self.lnc,
             intra_node_bw=self.intra_node_bw * lnc / self.lnc,
+            memory_bw=self.memory_bw * lnc / self.lnc,
         )
 
 
@@ -161,6 +187,8 @@ def lnc_from_env(environ=None) -> int | None:
 # 190 BF16/TF32 and 47.5 FP32 TFLOPS per chip; Trainium2: 667 and 181; Trainium3: 671 and 183);
 # ranks are logical NeuronCores. fp32 is planned at the FP32 rate: no cast of fp32 matmuls to a
 # narrower type is assumed.
+# HBM bandwidth per chip: AWS Neuron architecture pages (Trainium 820 GB/s, Trainium2 2.9 TB/s,
+# Trainium3 4.9 TB/s), split like the memory over the chip's ranks.
 # NeuronLink and EFA rates: AWS Neuron architecture pages (trn1-arch: NeuronLink-v2 384 GiB/s per
 # device, EFA 800 Gbps on trn1.32xlarge; trn2-arch: 16 chips in a 4x4 torus, NeuronLink-v3 about
 # 1 TB/s per chip, EFAv3 3.2 Tbps per trn2.48xlarge; trainium3 page: NeuronLink-v4 2.56 TB/s per
@@ -183,7 +211,14 @@ def _trainium(**fields) -> HardwareSpec:
 
 
 def _trainium_16_chips(
-    name: str, *, chip_flops: float, chip_fp32_flops: float, chip_memory: int, chip_link_bw: float, source: str
+    name: str,
+    *,
+    chip_flops: float,
+    chip_fp32_flops: float,
+    chip_memory: int,
+    chip_memory_bw: float,
+    chip_link_bw: float,
+    source: str,
 ):
     """A 16-chip Trainium node of 8 physical NeuronCores per chip, planned at ``DEFAULT_LNC``
     (2: 4 logical ranks per chip, 64 per node): each rank gets its share of its chip's peaks,
@@ -197,6 +232,7 @@ def _trainium_16_chips(
         peak_flops_per_rank=chip_flops / ranks_per_chip,
         peak_fp32_flops_per_rank=chip_fp32_flops / ranks_per_chip,
         intra_node_bw=chip_link_bw / ranks_per_chip,
+        memory_bw=chip_memory_bw / ranks_per_chip,
         inter_node_bw=3.2e12 / 8,
         cores_per_chip=8,
         lnc=DEFAULT_LNC,
@@ -232,9 +268,10 @@ for _spec in (
         peak_flops_per_rank=95e12,
         peak_fp32_flops_per_rank=47.5e12 / 2,
         intra_node_bw=384 * GiB / 2,
+        memory_bw=820e9 / 2,
         inter_node_bw=800e9 / 8,
         planning_only=True,
-        source="AWS Trainium pages (190 TFLOP/s bf16, 47.5 fp32, 32 GiB per chip, 2 cores); "
+        source="AWS Trainium pages (190 TFLOP/s bf16, 47.5 fp32, 32 GiB at 820 GB/s per chip, 2 cores); "
         "AWS trn1-arch (NeuronLink-v2, EFA 800 Gbps); "
         "TorchNeuron supports trn2/trn3 only, so trn1 plans are for reference",
     ),
@@ -243,8 +280,9 @@ for _spec in (
         chip_flops=667e12,
         chip_fp32_flops=181e12,
         chip_memory=96 * GiB,
+        chip_memory_bw=2.9e12,
         chip_link_bw=1e12,
-        source="AWS Trainium pages (667 TFLOP/s bf16, 181 fp32, 96 GiB per chip); AWS Logical NeuronCore "
+        source="AWS Trainium pages (667 TFLOP/s bf16, 181 fp32, 96 GiB at 2.9 TB/s per chip); AWS Logical NeuronCore "
         "configuration (8 physical NeuronCore-v3 per Trainium2 chip: 4 ranks per chip at LNC=2, 8 at LNC=1); "
         "AWS trn2-arch (NeuronLink-v3, EFAv3 3.2 Tbps)",
     ),
@@ -253,20 +291,23 @@ for _spec in (
         chip_flops=671e12,
         chip_fp32_flops=183e12,
         chip_memory=144 * GiB,
+        chip_memory_bw=4.9e12,
         chip_link_bw=2.56e12,
-        source="AWS Trainium pages (671 TFLOP/s bf16, 183 fp32, 144 GiB per chip); AWS trainium3 page (8 "
+        source="AWS Trainium pages (671 TFLOP/s bf16, 183 fp32, 144 GiB at 4.9 TB/s per chip); AWS trainium3 page (8 "
         "NeuronCore-v4 per chip, so 4 ranks at LNC=2; NeuronLink-v4 2.56 TB/s; 16 chips per Gen1 server); "
         "EFA rate assumed as trn2",
     ),
     _nvidia_8gpu(
         name="p5.48xlarge",
         memory_per_rank=80 * GB,
-        source="NVIDIA H100 SXM datasheet (989 TFLOP/s, 80 GB, NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
+        memory_bw=3.35e12,
+        source="NVIDIA H100 SXM datasheet (989 TFLOP/s, 80 GB at 3.35 TB/s, NVLink 900 GB/s); AWS P5 (EFA 3200 Gbps)",
     ),
     _nvidia_8gpu(
         name="h200x8",
         memory_per_rank=141 * GB,
-        source="NVIDIA H200 datasheet (989 TFLOP/s, 141 GB, NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
+        memory_bw=4.8e12,
+        source="NVIDIA H200 datasheet (989 TFLOP/s, 141 GB at 4.8 TB/s, NVLink 900 GB/s); AWS P5en (EFA 3200 Gbps)",
     ),
 ):
     register_hardware(_spec)
@@ -310,7 +351,7 @@ def cpu_hardware(ranks_per_node: int | None = None) -> HardwareSpec:
     )
 
 
-_SIZE = re.compile(r"^\s*([0-9.eE+]+)\s*(GiB|GB|TiB|TB|MiB|MB)?\s*$")
+_SIZE = re.compile(r"^\s*([0-9.eE+-]+)\s*(GiB|GB|TiB|TB|MiB|MB)?\s*$")
 _UNITS = {None: 1, "MiB": 1 << 20, "MB": 10**6, "GiB": GiB, "GB": GB, "TiB": 1 << 40, "TB": 10**12}
 
 
@@ -318,9 +359,10 @@ def _number(value) -> float:
     if isinstance(value, (int, float)):
         return value
     match = _SIZE.match(str(value))
-    if not match:
-        raise ValueError(f"cannot read {value!r} as a number; write e.g. 16GiB, 400e9 or 1.5TB")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    try:
+        return float(match.group(1)) * _UNITS[match.group(2)]
+    except (AttributeError, ValueError):  # no match, or no float (e.g. "3-4")
+        raise ValueError(f"cannot read {value!r} as a number; write e.g. 16GiB, 400e9, 1.5TB or 3.4e-6") from None
 
 
 def load_hardware(path: str | Path, *, register: bool = True) -> HardwareSpec:
@@ -335,7 +377,8 @@ def load_hardware(path: str | Path, *, register: bool = True) -> HardwareSpec:
     for key in ("memory_per_rank", "reserved_bytes"):
         if key in data:
             data[key] = int(_number(data[key]))
-    for key in ("peak_flops_per_rank", "peak_fp32_flops_per_rank", "intra_node_bw", "inter_node_bw"):
+    floats = ("peak_flops_per_rank", "peak_fp32_flops_per_rank", "intra_node_bw", "inter_node_bw", "memory_bw")
+    for key in floats + ("call_latency", "link_latency", "network_latency"):
         if key in data:
             data[key] = float(_number(data[key]))
     data.setdefault("name", Path(path).stem)

@@ -1,9 +1,10 @@
 """Checking one parallel layout against the model and the batch before anything is launched.
 
 The rules that say whether a model can take a layout live here once: ``tp_problems`` (tp against
-attention heads, KV heads, MLP width and vocabulary) and ``check_layout`` (the whole job; the
-layers per pipeline stage come from ``neuron_parallel.utils.split_layers``). The config check,
-the tensor-parallel code and the layout search all use them. Nothing here imports torch.
+attention heads, KV heads, MLP width and vocabulary), ``utils.context_problem`` (cp against the row
+length) and ``check_layout`` (the whole job; the layers per pipeline stage come from
+``neuron_parallel.utils.split_layers``). The config check, the tensor-parallel code and the
+layout search all use them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import JobConfig, ParallelConfig
-from ..utils import divisors, split_layers
+from ..utils import context_problem, divisors, split_layers
 from .attention import block_size_advice
 from .memory import ModelShape
 
@@ -42,11 +43,11 @@ class CheckedLayout:
 def describe_layout(layout, *, micro_batch_size: int | None = None, grad_accum: int | None = None) -> str:
     """A layout in one line, the form the planner's table, the run summary and the model card
     print: ``tp=2 pp=2 dp=1 zero1 sp recompute 1f1b×4``. ``layout`` has ``ParallelConfig``'s
-    field names (a ``ParallelConfig``, the planner's ``Candidate``); ``recompute`` is every
-    layer's activation checkpointing (``recompute-every-k`` every k-th), and with pp > 1 the
-    pipeline schedule comes with its microbatches. With ``micro_batch_size`` (and
-    ``grad_accum``), `` mbs=4 accum=2`` follows."""
-    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}"]
+    field names (a ``ParallelConfig``, the planner's ``Candidate``); ``cp=N`` follows dp where
+    context parallelism is on (cp > 1); ``recompute`` is every layer's activation checkpointing
+    (``recompute-every-k`` every k-th), and with pp > 1 the pipeline schedule comes with its
+    microbatches. With ``micro_batch_size`` (and ``grad_accum``), `` mbs=4 accum=2`` follows."""
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}"] + [f"cp={layout.cp}"] * (layout.cp > 1)
     parts += ["zero1"] * bool(layout.zero_1) + ["sp"] * bool(layout.sequence_parallel)
     k = layout.activation_checkpointing
     if k:
@@ -123,6 +124,9 @@ def check_layout(job: JobConfig) -> CheckedLayout:
             f"use num_microbatches in {divisors(mbs)} or a micro_batch_size that is a multiple of "
             f"{pc.num_microbatches}"
         )
+    problem = context_problem(pc.cp, job.block_size, pc.tp, pc.sequence_parallel)
+    if problem:
+        raise ValueError(problem)
     if pc.sequence_parallel and job.block_size % pc.tp:
         raise ValueError(
             f"sequence parallelism splits the {job.block_size}-token sequence over tp={pc.tp}; "
@@ -132,7 +136,7 @@ def check_layout(job: JobConfig) -> CheckedLayout:
     notes = []
     if pc.tp > shape.num_kv_heads:
         notes.append(f"KV heads replicated {pc.tp // shape.num_kv_heads}x (tp={pc.tp} > {shape.num_kv_heads} KV heads)")
-    advice = block_size_advice(job.device, job.data.documents, job.block_size, shape.head_dim)
+    advice = block_size_advice(job.device, job.data.documents, job.block_size, shape.head_dim, pc.cp)
     if advice:
         notes.append(advice)
     return CheckedLayout(

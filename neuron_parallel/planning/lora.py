@@ -8,7 +8,7 @@ column-parallel projections (q, k, v, gate, up) shard ``B`` on its output dim an
 heads replicated (tp > num_kv_heads), k's and v's ``B`` holds the rank's one KV head, like the
 weight. Gradients, AdamW state and ZeRO-1's shards exist for the trainable tensors only.
 
-What it does to the activations is modelled in ``memory.layer_activation_bytes``; the compute
+What it does to the activations is modelled in ``activations.layer_activation_bytes``; the compute
 here: a frozen weight needs no weight gradient, so its matmul costs forward + input gradient
 (2 × the forward) instead of 3 ×; attention and the adapters cost 3 × their forward.
 """

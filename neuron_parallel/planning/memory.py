@@ -32,10 +32,18 @@ The model is of *this* library's engine (``neuron_parallel.engine``), tensor by 
   stage output; 1F1B keeps ``p - r`` microbatches in flight on pp rank ``r``, GPipe all ``m``,
   interleaved 1F1B ``(v-1)·m_round + 2(p-1-r) + 1`` chunks (torch's warm-up counts).
 * transients: a layer's backward (two ``b·s·i/tp`` MLP gradients beyond what it saved, and the
-  attention path's work), a recomputed layer, the dp reduction's flat bucket (``GradReducer`` of
-  ``neuron_parallel.parallel.data_parallel``: up to ``BUCKET_BYTES``; see ``max_bucket``),
-  AdamW's per-parameter temporaries (``sqrt`` and the division: 2 × the largest owned parameter,
-  fp32).
+  attention path's work), a recomputed layer, the dp reduction's flat bucket on the first step
+  (``GradReducer`` of ``neuron_parallel.parallel.data_parallel``: up to ``BUCKET_BYTES``; see
+  ``max_bucket``), AdamW's per-parameter temporaries (``sqrt`` and the division: 2 × the largest
+  owned parameter, fp32).
+* the dp reduction's flat buckets: ``GradReducer`` keeps them from step to step, the size of
+  the trainable gradients, beside the gradients backward makes (the step's gradients are views
+  into them).
+* context parallelism (cp > 1): every activation above for the rank's ``S/cp`` tokens of each
+  row; the gathered K/V of the whole row, and in a layer's backward the attention's work (on
+  neuron and CPU one recomputed block of queries at a time) as
+  ``neuron_parallel.planning.attention`` counts them; the gradient reduction and the ZeRO-1
+  shards over the dp × cp ranks.
 
 Gradients are freed after every step (``zero_grad(set_to_none=True)``), so the peak is the
 largest of a few moments: the start of backward (every saved activation and the loss buffers;
@@ -46,9 +54,11 @@ temporaries; the buckets are counted there although ``GradReducer`` copies most 
 last micro-batch's backward runs).
 
 Calibration: every constant above was read off the autograd graph and the code (not fitted),
-then checked against allocator measurements of real training steps in bench/planner.py: 11 fp32
-cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, ZeRO-1, recompute, KV replication) and 2 of the
-engine's bf16 autocast mode, every rank within 3.6 %. ``bf16`` (bf16 parameters, as in the ZeRO
+then checked against allocator measurements of real training steps in bench/planner.py: 14 fp32
+cases on CPU (dp, tp, sp, pp with 1F1B and GPipe, cp, ZeRO-1, recompute, KV replication) and 2 of
+the engine's bf16 autocast mode, every rank within 2.2 % but the recomputed ones, over-predicted
+by up to 6.2 % (3.7 % on one rank; with dp, at the end of backward the reduction's buckets
+already hold most gradients, which the model counts twice). ``bf16`` (bf16 parameters, as in the ZeRO
 paper and NxD) reuses the same tensor list with 2-byte activations; no engine mode here runs it,
 so it is not measured. The attention paths and the chunked loss are checked against the tensor
 bytes of a stage's forward and backward on CPU in tests/unit/test_planner_attention.py.
@@ -75,117 +85,47 @@ within 2.5 %.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..utils import split_layers
+from .activations import layer_activation_bytes, norm_bytes
 from .attention import attention_bytes, attention_path, logits_bytes
 from .lora import frozen_layer_matrices, lora_stage_params, trained_in_full
-from .model import HF_NAMES, STATES, ModelShape, StateBytes, local_kv_heads, stage_params
+from .model import (
+    BUCKET_BYTES,
+    HF_NAMES,
+    STATES,
+    ModelShape,
+    StateBytes,
+    local_kv_heads,
+    max_bucket,
+    model_states_bytes,
+    stage_params,
+    zero_partition,
+)
+from .reference import reference_forward, reference_memory
 
 if TYPE_CHECKING:
     from ..config import LoraConfig
 
-__all__ = ["HF_NAMES", "STATES", "ModelShape", "StateBytes", "local_kv_heads", "stage_params"]  # re-exported
+__all__ = [  # re-exported
+    "BUCKET_BYTES",
+    "HF_NAMES",
+    "STATES",
+    "ModelShape",
+    "StateBytes",
+    "layer_activation_bytes",
+    "local_kv_heads",
+    "max_bucket",
+    "model_states_bytes",
+    "norm_bytes",
+    "stage_params",
+    "zero_partition",
+]
 
 GiB = 1 << 30
-BUCKET_BYTES = 32 << 20
-"""The gradient bucket of the dp reduction (``GradReducer``'s default, defined here, where the
-torch-free memory model can read it). Smaller buckets start earlier in backward (more overlap)
-but are more collectives; DDP's default is 25 MiB."""
-
-
-def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, precision: str = "bf16") -> float:
-    """Parameter + gradient + optimizer bytes for ``num_params`` on one rank (ZeRO paper formula)."""
-    st = STATES[precision]
-    return num_params * (st.param + st.grad + st.cast_cache) + num_params * st.sharded / (dp if zero_1 else 1)
-
-
-@lru_cache(maxsize=4096)
-def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[int, int], ...]:
-    """Per dp rank (owned numel, largest owned numel) under ``ZeroRedundancyOptimizer``'s greedy
-    placement: per param group (matrices, then vectors), largest first, onto the least-loaded
-    rank (lowest index on ties), the loads carried across groups."""
-    loads = [0] * dp
-    largest = [0] * dp
-    for group in ([n for n, m in sizes if m], [n for n, m in sizes if not m]):
-        heap = [(load, r) for r, load in enumerate(loads)]
-        heapq.heapify(heap)
-        for n in sorted(group, reverse=True):
-            load, r = heapq.heappop(heap)
-            loads[r] = load + n
-            largest[r] = max(largest[r], n)
-            heapq.heappush(heap, (loads[r], r))
-    return tuple(zip(loads, largest))
-
-
-def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
-    """The bytes the dp reduction holds beyond the gradients (grad sizes in bytes, in order): its
-    largest flat bucket, of up to ``cap`` (a larger grad is its own bucket). ``GradReducer`` (its
-    buckets cut by ``plan_buckets``: from the last parameter back, and at dtype changes) copies
-    one bucket at a time into a new flat buffer that replaces the bucket's gradients, which are
-    released as soon as it is made, so one bucket at a time is more than the gradients."""
-    buckets, size = [], 0
-    for n in sizes:
-        if size and size + n > cap:
-            buckets.append(size)
-            size = 0
-        size += n
-    buckets.append(size)
-    return max(buckets)
-
-
-def norm_bytes(
-    h: int, tp: int, sp: bool, st: StateBytes, consumers: int = 1, *, frozen: bool = False, dropout: bool = False
-) -> float:
-    """Per token, one RMSNorm (HF computes it in fp32) and the block input it feeds: the fp32
-    normalised tensor (plus an fp32 copy of a bf16 input and the cast back), seq-sharded under
-    SP, and the input the next projections save, whole (under SP the all-gathered copy, the local
-    norm output being freed); under autocast each of the ``consumers`` projections saves its
-    own bf16 cast. A ``frozen`` norm weight keeps only the fp32 copy of a bf16 input; with
-    ``dropout`` each consumer (a LoRA adapter) saves its own dropped input and 1-byte mask."""
-    seq = tp if sp else 1
-    if frozen:
-        internal = 4 if st.resid != 4 else 0
-    else:
-        internal = 4 + (4 + st.act if st.resid != 4 else 0)
-    if dropout:
-        return h * internal / seq + consumers * h * (st.act + 1)
-    return h * internal / seq + h * st.act * (consumers if st.autocast else min(consumers, 1))
-
-
-def layer_activation_bytes(
-    shape: ModelShape, tp: int, sp: bool, st: StateBytes, lora: LoraConfig | None = None
-) -> dict[str, float]:
-    """Bytes per token one decoder layer saves for backward, by tensor group (see module doc)."""
-    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    seq = tp if sp else 1
-    q = shape.num_heads * d / tp
-    kv = local_kv_heads(shape.num_kv_heads, tp) * d
-    # rotary q and k, v and the sdpa output (already in (b, s, heads, d) layout, so HF's
-    # transpose().contiguous() copies nothing); the fp32 log-sum-exp per head
-    attention = (2 * q + 2 * kv) * st.act + 4 * shape.num_heads / tp
-    if lora is None:
-        return {
-            "residual": 2 * h * st.resid / seq,  # inputs of the attention and MLP blocks
-            "norms": norm_bytes(h, tp, sp, st, consumers=3) + norm_bytes(h, tp, sp, st, consumers=2),
-            "attention": attention,
-            "mlp": 4 * i / tp * st.act,  # gate, up, silu(gate), silu(gate)*up
-        }
-    targets, drop = set(lora.target_modules), lora.dropout > 0
-    kw = dict(frozen=True, dropout=drop)
-    return {
-        "residual": 2 * h * st.resid / seq,
-        "norms": norm_bytes(h, tp, sp, st, len(targets & {"q_proj", "k_proj", "v_proj"}), **kw)
-        + norm_bytes(h, tp, sp, st, len(targets & {"gate_proj", "up_proj"}), **kw),
-        # sdpa saves its output anyway; o_proj's adapter adds a dropped copy and its mask
-        "attention": attention + ("o_proj" in targets and drop) * q * (st.act + 1),
-        # gate, up, silu(gate); silu(gate)*up only for down_proj's adapter (dropped, with a mask)
-        "mlp": 3 * i / tp * st.act + ("down_proj" in targets) * i / tp * (st.act + drop),
-        "adapters": len(targets) * lora.r * st.act,  # each A's output, saved by its B
-    }
 
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers", "transient", "comm_buffers")
@@ -211,8 +151,17 @@ class StageMemory:
     trainable_numel: int = 0
 
     @property
-    def total(self) -> float:
-        return sum(getattr(self, k) for k in COMPONENTS)
+    def total(self) -> float:  # the sum over COMPONENTS, written out: a search adds up many
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.loss
+            + self.pipeline_buffers
+            + self.transient
+            + self.comm_buffers
+        )
 
     def as_dict(self) -> dict:
         out: dict = {k: int(getattr(self, k)) for k in COMPONENTS}
@@ -236,6 +185,11 @@ def inflight_chunks(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> in
     raise ValueError(f"no memory model for pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
 
 
+_PARAMETERS: dict[tuple, tuple] = {}
+"""``_rank_parameters`` by its arguments: a search evaluates the same model states for every
+activation option of a split."""
+
+
 def _rank_parameters(
     shape: ModelShape,
     st: StateBytes,
@@ -248,11 +202,22 @@ def _rank_parameters(
     n_stages: int,
     dp_rank: int | None,
     lora: LoraConfig | None = None,
-) -> tuple[list[tuple[int, bool]], dict, int]:
+) -> tuple[tuple[tuple[int, bool], ...], dict, int]:
     """The model states of the rank holding the stages ``ids``: (numel, is_matrix) of its every
     trainable parameter, the ``StageMemory`` fields of its parameters and its ZeRO-1 share of the
     optimizer state (dp rank ``dp_rank``, default the most loaded), and the largest parameter it
     updates. Under ``lora`` the frozen base counts as parameters only."""
+    key = (shape, st, tp, dp, zero_1, tuple(layers), tuple(ids), n_stages, dp_rank, repr(lora))
+    if key not in _PARAMETERS:
+        if len(_PARAMETERS) >= 4096:
+            _PARAMETERS.clear()
+        _PARAMETERS[key] = _parameters(shape, st, tp, dp, zero_1, layers, ids, n_stages, dp_rank, lora)
+    sizes, states, largest = _PARAMETERS[key]
+    return sizes, dict(states), largest
+
+
+def _parameters(shape, st, tp, dp, zero_1, layers, ids, n_stages, dp_rank, lora) -> tuple:
+    """``_rank_parameters``, computed."""
     sizes, frozen = [], 0
     for sid in ids:
         first, last = sid == 0, sid == n_stages - 1
@@ -270,7 +235,7 @@ def _rank_parameters(
         numel=frozen + numel,
         trainable_numel=numel,
     )
-    return sizes, states, largest
+    return tuple(sizes), states, largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +263,7 @@ class _RankActivations:
     chunked: bool = False  # the loss runs a chunk of tokens at a time
     output_cache: float = 0.0  # per token, a pipeline's last stage output, where nothing else keeps it
     attention_work: float = 0.0  # per token, the attention path's tensors during a layer's backward
+    inputs: float = 16.0  # per token, the first stage's int64 ids and labels (and cp's position and document ids)
 
     @property
     def first(self) -> bool:
@@ -317,7 +283,7 @@ class _RankActivations:
         """(activations, loss, pipeline buffers) with ``n_live`` chunks in flight."""
         st, tokens, v = self.st, self.tokens, len(self.ids)
         h, seq = self.shape.hidden_size, self.tp if self.sp else 1
-        acts = n_live * sum(self.chunk) / v + (tokens * 16 if self.first else 0)  # + int64 ids and labels
+        acts = n_live * sum(self.chunk) / v + (tokens * self.inputs if self.first else 0)
         n_last = (n_live if v == 1 else min(n_live, 1)) if self.last else 0  # microbatches in the last stage
         # per microbatch: the last layer's output, the final norm and the lm_head input; a
         # pipeline stage's forward cache keeps every in-flight output (the final norm's, on the
@@ -351,13 +317,16 @@ def _rank_activations(
     *,
     seq_len: int,
     path: str = "flash",
+    cp: int = 1,
+    documents: bool = False,
 ) -> _RankActivations:
     """The activation sizes of the rank holding the stages ``ids`` for microbatches of ``tokens``
-    tokens (sequences of ``seq_len``, attention ``path``): per model chunk, the saved tensors of
+    tokens (its ``seq_len / cp`` of sequences of ``seq_len``, attention ``path``, rows packed from
+    ``documents`` or not): per model chunk, the saved tensors of
     its layers (a checkpointed layer keeps its input only) and the attention mask, less the
     chunk's input when a receive buffer holds it (every stage but the first)."""
     h, seq = shape.hidden_size, tp if sp else 1
-    attention = attention_bytes(shape, tp, seq_len, st, path)
+    attention = attention_bytes(shape, tp, seq_len, st, path, cp, documents, rows=tokens * cp // seq_len)
     per_layer = sum(layer_activation_bytes(shape, tp, sp, st, lora).values()) + attention["layer"]
     boundary = tokens * h * st.resid / seq
     logits, chunked = logits_bytes(shape, tp, tokens)
@@ -379,6 +348,7 @@ def _rank_activations(
         saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
         chunk.append(
             tokens * (saved * per_layer + (n - saved) * h * st.resid / seq + attention["mask"])
+            + attention["mask_shared"]
             - (boundary if sid else 0)
             + saved * layer_weights
         )
@@ -403,6 +373,7 @@ def _rank_activations(
         chunked=chunked,
         output_cache=0.0 if kept else h * st.resid / seq,
         attention_work=attention["work"],
+        inputs=16.0 + (8.0 + 8.0 * cp) * (cp > 1),  # cp: local position ids, the whole rows' document ids
     )
 
 
@@ -462,13 +433,19 @@ def _backward_phases(
     return phases
 
 
+@lru_cache(maxsize=4096)
+def _grad_bucket(sizes: tuple[tuple[int, bool], ...], grad_bytes: int) -> int:
+    """``max_bucket`` of the gradients of parameters of ``sizes`` (numel, is_matrix)."""
+    return max_bucket([n * grad_bytes for n, _ in sizes])
+
+
 def _step_phase(
-    rank: _RankActivations, states: dict, sizes: list[tuple[int, bool]], largest: int, dp: int
+    rank: _RankActivations, states: dict, sizes: tuple[tuple[int, bool], ...], largest: int, dp: int
 ) -> StageMemory:
     """The rank's memory at the gradient reduction and optimizer step: all grads, and the larger
     of the all-reduce's buckets and AdamW's temporaries."""
     st = rank.st
-    bucket = max_bucket([n * st.grad for n, _ in sizes]) if dp > 1 else 0
+    bucket = _grad_bucket(sizes, st.grad) if dp > 1 else 0
     opt_tmp = 2 * largest * 4  # AdamW's denominator: sqrt(), then a division, in fp32
     return StageMemory(
         **states,
@@ -501,6 +478,8 @@ def stage_memory(
     lora: LoraConfig | None = None,
     device: str = "cpu",
     documents: bool = False,
+    cp: int = 1,
+    objective: str = "sft",
 ) -> StageMemory:
     """Peak tensor bytes on pp rank ``pp_rank`` (dp rank ``dp_rank``; default the most loaded).
 
@@ -508,20 +487,42 @@ def stage_memory(
     layer count of every stage (``pp × virtual_stages`` entries), ``recompute`` the engine's
     every-k-th-layer checkpointing (0 = off), ``lora`` the adapters trained on a frozen base
     (None: full fine-tuning); ``device`` and ``documents`` (rows packed from documents) choose
-    the attention path (``attention.attention_path``)."""
+    the attention path (``attention.attention_path``). Under context parallelism (``cp`` > 1)
+    the rank holds ``seq_len / cp`` tokens of each sequence, and the dp × cp ranks reduce the
+    gradients and share the ZeRO-1 state (``dp_rank`` is then the rank's place among them,
+    ``dp_rank · cp + cp_rank``). ``objective`` (``train.objective``): DPO under LoRA adds the
+    reference forward's moment and buffers (``neuron_parallel.planning.reference``)."""
     st = STATES[precision]
     n_stages, ids = pp * virtual_stages, [pp_rank + c * pp for c in range(virtual_stages)]
+    replicas = dp * cp
     sizes, states, largest = _rank_parameters(
-        shape, st, tp=tp, dp=dp, zero_1=zero_1, layers=layers, ids=ids, n_stages=n_stages, dp_rank=dp_rank, lora=lora
+        shape,
+        st,
+        tp=tp,
+        dp=replicas,
+        zero_1=zero_1,
+        layers=layers,
+        ids=ids,
+        n_stages=n_stages,
+        dp_rank=dp_rank,
+        lora=lora,
     )
-    tokens = micro_batch * seq_len
-    path = attention_path(device, documents, seq_len, shape.head_dim)
+    tokens = micro_batch * seq_len // cp
+    path = attention_path(device, documents, seq_len, shape.head_dim, cp)
     args = (shape, st, tp, sp, pp, recompute, tokens, num_microbatches, layers, ids, n_stages, lora)
-    rank = _rank_activations(*args, seq_len=seq_len, path=path)
+    rank = _rank_activations(*args, seq_len=seq_len, path=path, cp=cp, documents=documents)
     phases = _backward_phases(
         rank, states, schedule=schedule, recompute=recompute, grad_accum=grad_accum, pp_rank=pp_rank
     )
-    phases.append(_step_phase(rank, states, sizes, largest, dp))
+    phases.append(_step_phase(rank, states, sizes, largest, replicas))
+    if reference_forward(objective, lora):
+        fields, buffers = reference_memory(rank, grads=states["trainable_numel"] * st.grad, grad_accum=grad_accum)
+        for phase in phases:
+            phase.pipeline_buffers += buffers
+        phases.append(StageMemory(**states, **fields))
+    if replicas > 1:  # GradReducer's flat buckets, kept from step to step; the step's grads are views into them
+        for phase in phases:
+            phase.comm_buffers += states["trainable_numel"] * st.grad * (phase.phase != "step")
     return max(phases, key=lambda mem: mem.total)
 
 
@@ -539,11 +540,12 @@ def layout_memory(
     lora: LoraConfig | None = None,
     device: str = "cpu",
     documents: bool = False,
+    objective: str = "sft",
 ) -> StageMemory:
     """``stage_memory`` of a layout with ``ParallelConfig``'s field names (a ``ParallelConfig``, the
     planner's ``Candidate``): its ``micro_batch_size`` sequences per dp rank and forward/backward
-    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline); ``lora``,
-    ``device`` and ``documents`` as in ``stage_memory``."""
+    split into its ``num_microbatches`` pipeline microbatches (one without a pipeline), its
+    ``cp``; ``lora``, ``device``, ``documents`` and ``objective`` as in ``stage_memory``."""
     m = layout.num_microbatches if layout.pp > 1 else 1
     return stage_memory(
         shape,
@@ -566,20 +568,24 @@ def layout_memory(
         lora=lora,
         device=device,
         documents=documents,
+        cp=layout.cp,
+        objective=objective,
     )
 
 
 def job_rank_memory(shape: ModelShape, job, rank: int) -> StageMemory:
     """The model above for global rank ``rank`` of an engine job (``neuron_parallel.config.JobConfig``):
-    its pp and dp coordinates, the job's layer split, microbatching and precision (the engine's
-    bf16 mode keeps fp32 states, ``bf16_autocast``), ``train.lora``'s adapters if any, and the
-    attention path of its device and data (rows packed from documents or not)."""
+    its pp coordinate and place among the dp × cp ranks (the mesh is (dp, cp, pp, tp), tp
+    innermost), the job's layer split, microbatching and precision (the engine's bf16 mode keeps
+    fp32 states, ``bf16_autocast``), ``train.lora``'s adapters if any, its objective (the
+    reference forward of DPO under LoRA) and the attention path of its device and data (rows
+    packed from documents or not)."""
     pc = job.parallel
-    dp_rank, rest = divmod(rank, pc.pp * pc.tp)
+    dp_rank, rest = divmod(rank, pc.pp * pc.tp)  # dp_rank · cp + cp_rank: the ZeRO-1 shard's owner
     layers = [len(r) for r in split_layers(shape.num_layers, pc.num_stages, pc.layer_split)]
     precision = "fp32" if pc.mixed_precision == "fp32" else "bf16_autocast"
     kw = dict(micro_batch_size=job.train.micro_batch_size, seq_len=job.block_size, grad_accum=job.grad_accum)
-    kw.update(device=job.device, documents=job.data.documents)
+    kw.update(device=job.device, documents=job.data.documents, objective=job.train.objective)
     return layout_memory(
         shape, pc, layers, **kw, precision=precision, pp_rank=rest // pc.tp, dp_rank=dp_rank, lora=job.train.lora
     )

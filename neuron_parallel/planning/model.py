@@ -1,12 +1,15 @@
 """The numbers that size a training run, shared by the memory and step-time models: a Llama
 model's shape (``ModelShape``, read from config.json), the parameters one pipeline stage holds on
-a tp rank (``stage_params``) and the bytes per parameter and activation element of each
-precision mode (``STATES``). Nothing here imports torch."""
+a tp rank (``stage_params``), the bytes per parameter and activation element of each precision
+mode (``STATES``, ``model_states_bytes``), which parameters ZeRO-1 gives each dp rank
+(``zero_partition``) and the dp reduction's buckets (``max_bucket``). Nothing here imports torch."""
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -143,3 +146,49 @@ def stage_params(shape: ModelShape, tp: int, n_layers: int, first: bool, last: b
         if not (first and shape.tie_word_embeddings):  # one module holding both: one Parameter
             out.append((V // tp * h, True))
     return out
+
+
+BUCKET_BYTES = 32 << 20
+"""The gradient bucket of the dp reduction (``GradReducer``'s default, defined here, where the
+torch-free memory model can read it). Smaller buckets start earlier in backward (more overlap)
+but are more collectives; DDP's default is 25 MiB."""
+
+
+def model_states_bytes(num_params: float, *, dp: int = 1, zero_1: bool = False, precision: str = "bf16") -> float:
+    """Parameter + gradient + optimizer bytes for ``num_params`` on one rank (ZeRO paper formula)."""
+    st = STATES[precision]
+    return num_params * (st.param + st.grad + st.cast_cache) + num_params * st.sharded / (dp if zero_1 else 1)
+
+
+@lru_cache(maxsize=4096)
+def zero_partition(sizes: tuple[tuple[int, bool], ...], dp: int) -> tuple[tuple[int, int], ...]:
+    """Per dp rank (owned numel, largest owned numel) under ``ZeroRedundancyOptimizer``'s greedy
+    placement: per param group (matrices, then vectors), largest first, onto the least-loaded
+    rank (lowest index on ties), the loads carried across groups."""
+    loads = [0] * dp
+    largest = [0] * dp
+    for group in ([n for n, m in sizes if m], [n for n, m in sizes if not m]):
+        heap = [(load, r) for r, load in enumerate(loads)]
+        heapq.heapify(heap)
+        for n in sorted(group, reverse=True):
+            load, r = heapq.heappop(heap)
+            loads[r] = load + n
+            largest[r] = max(largest[r], n)
+            heapq.heappush(heap, (loads[r], r))
+    return tuple(zip(loads, largest))
+
+
+def max_bucket(sizes: list[int], cap: int = BUCKET_BYTES) -> int:
+    """The bytes the dp reduction holds beyond the gradients (grad sizes in bytes, in order): its
+    largest flat bucket, of up to ``cap`` (a larger grad is its own bucket). ``GradReducer`` (its
+    buckets cut by ``plan_buckets``: from the last parameter back, and at dtype changes) copies
+    one bucket at a time into a new flat buffer that replaces the bucket's gradients, which are
+    released as soon as it is made, so one bucket at a time is more than the gradients."""
+    buckets, size = [], 0
+    for n in sizes:
+        if size and size + n > cap:
+            buckets.append(size)
+            size = 0
+        size += n
+    buckets.append(size)
+    return max(buckets)

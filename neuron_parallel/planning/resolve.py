@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig, resolve_precision
+from ..utils import divisors
+from .layout import context_problem
 from .search import FIXABLE, Candidate, LayoutSearch, search_layouts
 
 DEVICE_HARDWARE = {"cpu": "cpu", "cuda": "p5.48xlarge", "neuron": "trn2.48xlarge"}
@@ -34,15 +36,29 @@ class ResolvedLayout:
         return self.search.best if self.search else None
 
 
-def check_pinned(fixed: dict[str, Any], *, world_size: int, layer_split: list[int] | None) -> None:
-    """What can be checked of a partly pinned layout before the model is read; raises
-    ``ValueError`` naming the fix."""
+def check_pinned(
+    fixed: dict[str, Any], *, world_size: int, layer_split: list[int] | None, block_size: int | None = None
+) -> None:
+    """What can be checked of a partly pinned layout before the model is read (with
+    ``block_size``, ``data.block_size``, against a pinned cp too); raises ``ValueError`` naming
+    the fix."""
+    cp = fixed.get("cp", 1)
+    ParallelConfig(cp=cp)  # refuses a cp that is not an integer >= 1, naming parallel.cp
+    if world_size % cp:
+        raise ValueError(
+            f"parallel.cp={cp} does not divide the world size {world_size} (launch.nproc_per_node × launch.nnodes); "
+            f"use parallel.cp in {divisors(world_size)}, or auto"
+        )
+    sp = fixed.get("sequence_parallel") is True
+    problem = context_problem(cp, block_size, fixed.get("tp", 1), sp) if block_size else None
+    if problem:
+        raise ValueError(problem)
     if set(FIXABLE) <= set(fixed):
         ParallelConfig.for_world(world_size, layer_split=layer_split, **{k: fixed[k] for k in LAYOUT_FIELDS})
         return
     tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
-    if world_size % (tp * pp):
-        ParallelConfig.for_world(world_size, tp=tp, pp=pp)  # raises, listing the splits that divide
+    if world_size % (tp * pp * cp):
+        ParallelConfig.for_world(world_size, tp=tp, pp=pp, cp=cp)  # raises, listing the splits that divide
     if fixed.get("sequence_parallel") is True and tp == 1:
         raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set sequence_parallel=false or raise tp")
     if layer_split is not None and "pp" not in fixed:
@@ -82,6 +98,7 @@ def resolve_layout(
     lora: LoraConfig | None = None,
     memory_fraction: float | None = None,
     documents: bool = False,
+    objective: str = "sft",
 ) -> ResolvedLayout:
     """The layout for ``fixed`` (pinned values of ``FIXABLE``) on ``launch``'s ranks.
 
@@ -90,12 +107,13 @@ def resolve_layout(
     global batch, precision and training (full, or ``lora``'s adapters), keeping the pinned
     values; the fastest that fits within ``memory_fraction`` of a rank's memory (default
     ``launch.memory_fraction``) wins; ``documents``: rows packed from documents (their attention
-    path's memory is planned for). Raises ``ValueError`` with the search's reason when
+    path's memory is planned for); ``objective``: ``train.objective`` (DPO under LoRA's reference
+    forward is planned for). Raises ``ValueError`` with the search's reason when
     nothing fits. ``mixed_precision`` ``auto`` is planned, and returned, as what
     ``launch.device`` runs (``neuron_parallel.config.resolve_precision``)."""
     world = launch.nproc_per_node * launch.nnodes
     mixed_precision = resolve_precision(mixed_precision, launch.device)
-    check_pinned(fixed, world_size=world, layer_split=layer_split)
+    check_pinned(fixed, world_size=world, layer_split=layer_split, block_size=seq_len)
     pinned = pinned_layout(fixed, world_size=world, mixed_precision=mixed_precision, layer_split=layer_split)
     if pinned is not None:
         return pinned
@@ -114,6 +132,7 @@ def resolve_layout(
         lora=lora,
         memory_fraction=launch.memory_fraction if memory_fraction is None else memory_fraction,
         documents=documents,
+        objective=objective,
     )
     best = search.best
     if best is None:

@@ -1,4 +1,4 @@
-"""Choosing a parallel layout: every (tp, pp, dp, ZeRO-1, SP, recompute, microbatching) split
+"""Choosing a parallel layout: every (tp, pp, cp, dp, ZeRO-1, SP, recompute, microbatching) split
 of a job, its predicted memory per rank and tokens/s, ranked; and for every rejected split, why.
 
     search = search_layouts("path/to/config.json", "trn2.48xlarge", nodes=2, seq_len=4096, global_batch=256)
@@ -9,29 +9,19 @@ hardware's allocator margin and runtime reserve). A layout fits when that is at 
 ``memory_fraction`` (``launch.memory_fraction``, default 0.9) of the rank's memory: the rest is
 headroom for what the model misses. ``lora`` plans adapters on a frozen base
 (``neuron_parallel.planning.lora``) instead of full fine-tuning. Step time, per optimizer step:
+``neuron_parallel.planning.timing`` (compute, and the tp, cp, pp and dp communication). Under
+``objective`` dpo with ``lora`` each micro-batch also runs the base's forward for the reference,
+in time and memory (``neuron_parallel.planning.reference``).
 
-* compute: training FLOPs per token as in the PaLM paper's MFU (Chowdhery et al. 2022, appendix
-  B: ``6N + 12·L·H·Q·T``; a recomputed layer adds its forward, a third of its training FLOPs;
-  under LoRA a frozen weight costs ``4N``, no weight gradient) at ``peak × efficiency`` of the
-  hardware kind, the peak of the precision run (``HardwareSpec.peak_flops``: fp32 matmuls for
-  ``fp32``, bf16 for ``bf16`` and ``bf16_autocast``), which is also the MFU denominator;
-* tensor parallelism: per layer and microbatch 4 collectives of ``b·s·h`` elements (6 with
-  recompute; 2 more on a stage holding the embedding or the lm_head), ring cost ``2(t-1)/t``, on
-  the node's links (TP never leaves a node);
-* pipeline: ``(m + (p-1)/v)`` microbatch slots of the slowest stage (bubble ``(p-1)/(m+p-1)``,
-  interleaved ``(p-1)/(v·m)``), plus the boundary sends; the network when a pp group spans nodes;
-* data parallelism: a ring all-reduce ``2(d-1)/d`` of the gradient bytes (ZeRO-1 adds the
-  updated parameters' broadcast, ``(d-1)/d``), counted in full after the step's compute: the
-  engine's reducer (``neuron_parallel.parallel.data_parallel.GradReducer``) starts each bucket's
-  all-reduce while the last micro-batch's backward runs, an overlap this model does not credit;
-  across nodes each node's network carries one ring per co-located replica.
-
-Candidates: every tp dividing the world (TP within a node), every pp dividing the rest, ZeRO-1
-on/off (dp > 1), SP on/off (tp > 1, sequence divisible by tp), recompute off/every layer,
-pipeline microbatches of b ∈ {1, 2, 4, 8} sequences, and with pp > 1 the 1F1B, interleaved 1F1B
-(v = 2) and GPipe schedules with m ∈ {p, 2p, all the rank's sequences} microbatches per engine
-step (the zero-bubble V schedule is not modelled). Nothing here imports torch: planning a 70B
-model on 1024 ranks (about 5,600 candidates) takes one to two seconds.
+Candidates: every tp dividing the world (TP within a node), every cp dividing the rest whose
+``2·cp`` chunks divide the sequence (``layout.context_problem``) and keep ``MIN_CONTEXT_CHUNK``
+tokens, every pp dividing the rest, ZeRO-1 on/off (dp × cp > 1), SP on/off (tp > 1, the rank's
+``S/cp`` tokens divisible by tp), recompute off/every layer, pipeline microbatches of
+b ∈ {1, 2, 4, 8} sequences (under cp, fewer than cp: see ``_options``), and with pp > 1 the
+1F1B, interleaved 1F1B (v = 2) and GPipe schedules with m ∈ {p, 2p, all the rank's sequences}
+microbatches per engine step (the zero-bubble V schedule is not modelled). Nothing here imports
+torch: planning a 70B model on 1024 ranks at 8192 tokens (about 16,000 candidates) takes about
+two seconds.
 """
 
 from __future__ import annotations
@@ -41,15 +31,22 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import LAYOUT_FIELDS, LaunchConfig, LoraConfig, ParallelConfig
-from ..utils import divisors, split_layers
-from .attention import block_size_advice
+from ..utils import CONTEXT_QUERY_BLOCK, divisors, split_layers
+from .attention import attention_path, block_size_advice
 from .hardware import HardwareSpec, get_hardware
-from .layout import describe_layout, tp_problems
-from .lora import adapter_params, describe_lora, lora_flops_per_token, trainable_parameters, trained_in_full
+from .layout import context_problem, describe_layout, tp_problems
+from .lora import describe_lora, lora_flops_per_token, trainable_parameters
 from .memory import STATES, GiB, ModelShape, layout_memory, model_states_bytes
+from .reference import reference_forward, reference_seconds
+from .timing import step_time
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MICRO_BATCHES = (1, 2, 4, 8)
+MIN_CONTEXT_CHUNK = 512
+"""The shortest of a row's ``2·cp`` chunks the free search plans for (a pinned cp is evaluated
+whatever its chunks): shorter chunks make each rank's attention too thin a slice to run near the
+peak (torch-neuronx's flash kernel works in tiles of 512 positions, FlexAttention in blocks of
+128), and they cut the search down to the cp degrees long rows need."""
 MEMORY_FRACTION = next(f.default for f in dataclasses.fields(LaunchConfig) if f.name == "memory_fraction")
 """The share of a rank's memory a layout may fill unless told otherwise (``launch.memory_fraction``)."""
 
@@ -61,6 +58,8 @@ class Candidate:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+    """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sequence."""
     zero_1: bool = False
     sequence_parallel: bool = False
     num_microbatches: int = 1
@@ -114,6 +113,8 @@ class LayoutSearch:
     memory_fraction: float = MEMORY_FRACTION
     documents: bool = False
     """Rows packed from documents (attention within documents), as planned for."""
+    objective: str = "sft"
+    """The training objective planned for (``train.objective``)."""
 
     @property
     def memory_limit(self) -> float:
@@ -149,6 +150,7 @@ class LayoutSearch:
             "memory_fraction": self.memory_fraction,
             "memory_limit_bytes": int(self.memory_limit),
             "documents": self.documents,
+            "objective": self.objective,
             "candidates": [c.as_dict() for c in self.candidates],
         }
 
@@ -164,20 +166,29 @@ def _tp_problems(shape: ModelShape, tp: int, hw: HardwareSpec, seq_len: int) -> 
     return out + tp_problems(shape, tp)
 
 
-def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: int, fixed: dict):
-    """Every (zero_1, sp, recompute, schedule, v, m, b, accum) for a valid (tp, pp, dp); a value in
-    ``fixed`` replaces the choices for its field (schedule, v and m only matter when pp > 1)."""
-    zeros = [fixed["zero_1"]] if "zero_1" in fixed else ([False, True] if dp > 1 else [False])
+def _options(shape: ModelShape, tp: int, pp: int, cp: int, dp: int, batch: int, seq_len: int, fixed: dict):
+    """Every (zero_1, sp, recompute, schedule, v, m, b, accum) for a valid (tp, pp, cp, dp); a value
+    in ``fixed`` replaces the choices for its field (schedule, v and m only matter when pp > 1).
+
+    Under cp > 1 a microbatch of ``b`` sequences, ``b`` a multiple of cp, is left out: each rank
+    then holds ``b/cp`` sequences' worth of tokens, the work, memory and gradient reduction of the
+    layout with cp = 1 on the dp × cp ranks and microbatches of ``b/cp`` sequences, without the
+    K/V exchange, so never better. Kept where that layout is not searched (cp or the micro batch
+    pinned, or too few sequences per rank for the pipeline)."""
+    shadowed = cp > 1 and not {"cp", "micro_batch_size"} & set(fixed) and (pp == 1 or batch // cp >= pp)
+    zeros = [fixed["zero_1"]] if "zero_1" in fixed else ([False, True] if dp * cp > 1 else [False])
     sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [False, True]
     acs = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else [0, 1]
     scheds = [fixed["pipeline_schedule"]] if "pipeline_schedule" in fixed else SCHEDULES
     for zero in zeros:
         for sp in sps:
-            if sp and (tp == 1 or seq_len % tp):
+            if sp and (tp == 1 or seq_len // cp % tp):
                 continue
             for ac in acs:
                 pinned = fixed.get("micro_batch_size")
                 for b in (b for b in (divisors(pinned) if pinned else MICRO_BATCHES) if batch % b == 0):
+                    if shadowed and b % cp == 0:
+                        continue
                     total = batch // b
                     if pp == 1:
                         if pinned in (None, b):
@@ -198,64 +209,6 @@ def _options(shape: ModelShape, tp: int, pp: int, dp: int, batch: int, seq_len: 
                             yield zero, sp, ac, sched, v, m, b, total // m
 
 
-def _bw_pp_dp(hw: HardwareSpec, tp: int, pp: int, dp: int) -> tuple[float, float]:
-    """Effective bandwidth of a pp boundary and of a dp ring (bytes/s per rank)."""
-    rpn = hw.ranks_per_node
-    bw_pp = hw.intra_node_bw if tp * pp <= rpn else min(hw.intra_node_bw, hw.inter_node_bw / tp)
-    if tp * pp * dp <= rpn:
-        bw_dp = hw.intra_node_bw
-    else:  # every replica co-located on a node drives one ring through the node's network
-        bw_dp = min(hw.intra_node_bw, hw.inter_node_bw / min(tp * pp, rpn))
-    return bw_pp, bw_dp
-
-
-def step_time(
-    shape: ModelShape, hw: HardwareSpec, c: Candidate, seq_len: int, layers: list[int], lora: LoraConfig | None = None
-) -> dict:
-    """Seconds per optimizer step, by component (see the module docstring)."""
-    st = STATES[c.precision]
-    h, tp, pp, v = shape.hidden_size, c.tp, c.pp, c.virtual_stages
-    b = c.micro_batch_size // c.num_microbatches
-    tokens = b * seq_len
-    rate = hw.peak_flops(c.precision) * hw.efficiency
-    f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
-    f_head = 2 * shape.vocab_size * h
-    f_train, head_passes = 3 * f_layer, 3  # forward, input gradient, weight gradient
-    if lora is not None:  # frozen weights: no weight gradient; attention and adapters as before
-        f_attn, f_adapter = 4 * shape.num_heads * shape.head_dim * seq_len, 2 * adapter_params(shape, lora)
-        f_train = 2 * (f_layer - f_attn) + 3 * (f_attn + f_adapter)
-        head_passes = 3 if "lm_head" in trained_in_full(shape, lora) else 2
-        f_layer += f_adapter  # what a recomputed layer re-runs
-    ring = 2 * (tp - 1) / tp if tp > 1 else 0
-    bw_pp, bw_dp = _bw_pp_dp(hw, tp, pp, c.dp)
-    n_stages = pp * v
-    worst = comm_worst = 0.0
-    for r in range(pp):
-        compute = comm = 0.0
-        for sid in range(r, n_stages, pp):
-            n = layers[sid]
-            rc = sum(1 for j in range(n) if c.activation_checkpointing and j % c.activation_checkpointing == 0)
-            head = head_passes * f_head if sid == n_stages - 1 else 0
-            compute += tokens * (f_train * n + f_layer * rc + head) / tp / rate
-            comm += (4 * n + 2 * rc + 2 * (sid in (0, n_stages - 1))) * ring * tokens * h * st.resid / hw.intra_node_bw
-        if compute + comm > worst + comm_worst:
-            worst, comm_worst = compute, comm
-    p2p = 2 * tokens * h * st.resid / (tp if c.sequence_parallel else 1) / bw_pp if pp > 1 else 0.0
-    t_mb = worst + comm_worst + p2p
-    slots = c.num_microbatches + (pp - 1) / v
-    grad_bytes = c.memory["trainable_numel"] * st.grad
-    ring_dp = 2 * (c.dp - 1) / c.dp
-    dp_s = (ring_dp * grad_bytes + (c.dp - 1) / c.dp * grad_bytes * st.param / st.grad * c.zero_1) / bw_dp
-    return {
-        "compute_s": c.grad_accum * c.num_microbatches * worst,
-        "tp_comm_s": c.grad_accum * c.num_microbatches * comm_worst,
-        "pp_p2p_s": c.grad_accum * c.num_microbatches * p2p,
-        "pp_bubble_s": c.grad_accum * (pp - 1) / v * t_mb,
-        "dp_comm_s": dp_s if c.dp > 1 else 0.0,
-        "total_s": c.grad_accum * slots * t_mb + (dp_s if c.dp > 1 else 0.0),
-    }
-
-
 def _evaluate(
     shape: ModelShape,
     hw: HardwareSpec,
@@ -265,12 +218,13 @@ def _evaluate(
     lora: LoraConfig | None,
     memory_fraction: float,
     documents: bool = False,
+    objective: str = "sft",
 ) -> None:
     """Fill in ``c``'s memory, whether it fits ``memory_fraction`` of a rank, its step time, and
     when it does not fit, the reason and what would help."""
     layers = [len(r) for r in split_layers(shape.num_layers, c.pp * c.virtual_stages)]
     kw = dict(micro_batch_size=c.micro_batch_size, seq_len=seq_len, grad_accum=c.grad_accum, precision=c.precision)
-    kw.update(lora=lora, device=hw.device, documents=documents)
+    kw.update(lora=lora, device=hw.device, documents=documents, objective=objective)
     # rank 0 holds the embedding and the most in-flight microbatches, rank p-1 the lm_head and
     # loss; the ranks between hold no more than rank 0
     worst = max((layout_memory(shape, c, layers, pp_rank=r, **kw) for r in {0, c.pp - 1}), key=lambda m: m.total)
@@ -287,21 +241,35 @@ def _evaluate(
     c.memory_per_rank_bytes = int(total)
     limit = memory_fraction * hw.memory_per_rank
     c.fits = total <= limit
-    c.time = step_time(shape, hw, c, seq_len, layers, lora)
+    c.time = step_time(shape, hw, c, seq_len, layers, lora, documents)
+    if reference_forward(objective, lora):
+        c.time["reference_s"] = reference_seconds(shape, hw, c, seq_len, layers, documents)
+        c.time["total_s"] += c.time["reference_s"]
     c.step_time_s = c.time["total_s"]
     c.tokens_per_s = global_batch * seq_len / c.step_time_s
-    world = c.tp * c.pp * c.dp
+    world = c.tp * c.pp * c.cp * c.dp
     flops = lora_flops_per_token(shape, lora, seq_len) if lora else shape.flops_per_token(seq_len)
     c.mfu = c.tokens_per_s * flops / (world * hw.peak_flops(c.precision))
     if c.tp > shape.num_kv_heads:
         c.notes.append(f"KV heads replicated {c.tp // shape.num_kv_heads}x (tp={c.tp} > {shape.num_kv_heads} KV heads)")
     if not c.fits:
+        parts = worst.as_dict()
         big = max(
-            ("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers"),
-            key=lambda k: worst.as_dict()[k],
+            ("params", "grads", "optimizer", "activations", "loss", "pipeline_buffers", "transient"),
+            key=lambda k: parts[k],
         )
-        if big in ("activations", "loss", "pipeline_buffers"):
-            hint = "recompute, sequence parallelism, a smaller micro batch or fewer microbatches in flight"
+        if big == "transient" and attention_path(hw.device, documents, seq_len, shape.head_dim, c.cp) == "scores":
+            hint = (
+                "fewer attention scores per rank: on this path every layer builds fp32 (heads/tp)·S·S scores "
+                "(neuron's attention with a mask) and a recomputed layer's backward holds three such tensors; "
+                "more tp, context parallelism (parallel.cp: its attention builds the scores of "
+                f"{CONTEXT_QUERY_BLOCK} queries at a time), a shorter data.block_size, or rows its flash kernel runs"
+            )
+        elif big in ("activations", "loss", "pipeline_buffers", "transient"):
+            hint = (
+                "recompute, sequence parallelism, context parallelism (parallel.cp), a smaller micro batch or "
+                "fewer microbatches in flight"
+            )
         else:
             hint = (
                 "more model parallelism (tp × pp)"
@@ -321,7 +289,7 @@ def _evaluate(
             else ""
         )
         c.reason = (
-            f"needs {total / GiB:.2f} GiB per rank (largest part: {big} {worst.as_dict()[big] / GiB:.1f} GiB) "
+            f"needs {total / GiB:.2f} GiB per rank (largest part: {big} {parts[big] / GiB:.1f} GiB) "
             f"but a {hw.name} rank has {hw.memory_per_rank / GiB:.1f} GiB{share}; try {hint}"
         )
 
@@ -401,39 +369,52 @@ def _candidates(
     lora: LoraConfig | None,
     memory_fraction: float,
     documents: bool = False,
+    objective: str = "sft",
 ) -> list[Candidate]:
-    """Every candidate over (tp, pp) splits of ``world`` ranks that ``fixed`` allows, evaluated;
-    an invalid split is one candidate carrying its reason."""
+    """Every candidate over (tp, cp, pp) splits of ``world`` ranks that ``fixed`` allows,
+    evaluated; an invalid split is one candidate carrying its reason."""
     out: list[Candidate] = []
-    for tp in divisors(world):
-        if fixed.get("tp", tp) != tp:
+    tp_why = {tp: _tp_problems(shape, tp, hw, seq_len) for tp in divisors(world) if fixed.get("tp", tp) == tp}
+
+    def searched(tp: int, cp: int) -> bool:  # a free cp > 1 only on a valid tp and chunks of MIN_CONTEXT_CHUNK
+        if "cp" in fixed:
+            return fixed["cp"] == cp
+        return cp == 1 or (not tp_why[tp] and seq_len // (2 * cp) >= MIN_CONTEXT_CHUNK)
+
+    splits = [
+        (tp, cp, pp)
+        for tp in tp_why
+        for cp in divisors(world // tp)
+        if searched(tp, cp)
+        for pp in divisors(world // (tp * cp))
+        if fixed.get("pp", pp) == pp
+    ]
+    for tp, cp, pp in splits:
+        dp = world // (tp * cp * pp)
+        why = _split_problems(shape, tp_why[tp], pp, dp, global_batch)
+        why += [problem] if (problem := context_problem(cp, seq_len)) else []
+        if why:
+            reason = "; ".join(why)
+            out.append(Candidate(tp=tp, pp=pp, dp=dp, cp=cp, precision=precision, valid=False, reason=reason))
             continue
-        tp_why = _tp_problems(shape, tp, hw, seq_len)
-        for pp in divisors(world // tp):
-            if fixed.get("pp", pp) != pp:
-                continue
-            dp = world // (tp * pp)
-            why = _split_problems(shape, tp_why, pp, dp, global_batch)
-            if why:
-                out.append(Candidate(tp=tp, pp=pp, dp=dp, precision=precision, valid=False, reason="; ".join(why)))
-                continue
-            for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, dp, global_batch // dp, seq_len, fixed):
-                c = Candidate(
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    zero_1=zero,
-                    sequence_parallel=sp,
-                    num_microbatches=m,
-                    pipeline_schedule=sched,
-                    virtual_stages=v,
-                    activation_checkpointing=ac,
-                    micro_batch_size=m * b,
-                    grad_accum=accum,
-                    precision=precision,
-                )
-                _evaluate(shape, hw, c, seq_len, global_batch, lora, memory_fraction, documents)
-                out.append(c)
+        for zero, sp, ac, sched, v, m, b, accum in _options(shape, tp, pp, cp, dp, global_batch // dp, seq_len, fixed):
+            c = Candidate(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                cp=cp,
+                zero_1=zero,
+                sequence_parallel=sp,
+                num_microbatches=m,
+                pipeline_schedule=sched,
+                virtual_stages=v,
+                activation_checkpointing=ac,
+                micro_batch_size=m * b,
+                grad_accum=accum,
+                precision=precision,
+            )
+            _evaluate(shape, hw, c, seq_len, global_batch, lora, memory_fraction, documents, objective)
+            out.append(c)
     return out
 
 
@@ -459,7 +440,7 @@ def _infeasible_reason(report: LayoutSearch, fixed: dict) -> str:
     valid = [c for c in candidates if c.valid]
     if not candidates:
         return (
-            f"no layout of {world} ranks has {fixed}: tp and pp must divide the world size, "
+            f"no layout of {world} ranks has {fixed}: tp, cp and pp must divide the world size, "
             "sequence_parallel needs tp > 1; unpin a field (set it to auto)"
         )
     if not valid:
@@ -490,6 +471,7 @@ def search_layouts(
     lora: LoraConfig | None = None,
     memory_fraction: float = MEMORY_FRACTION,
     documents: bool = False,
+    objective: str = "sft",
 ) -> LayoutSearch:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens of the model described by
     ``model_config`` (config.json path or directory, dict, ``PretrainedConfig``; weights are never
@@ -505,17 +487,19 @@ def search_layouts(
     low-rank adapters on the frozen model (None: full fine-tuning); a layout fits when its
     predicted memory per rank is at most ``memory_fraction`` of the rank's memory.
     ``documents``: rows packed from documents, whose attention path on the hardware's device
-    (``neuron_parallel.planning.attention``) may hold an explicit mask or fp32 scores."""
+    (``neuron_parallel.planning.attention``) may hold an explicit mask or fp32 scores.
+    ``objective`` (``train.objective``): dpo under ``lora`` adds the reference forward of the
+    base to every micro-batch (``neuron_parallel.planning.reference``)."""
     fixed = _check_arguments(fixed, precision, nodes, seq_len, global_batch, memory_fraction)
     shape = ModelShape.from_config(model_config)
     hw = get_hardware(hardware, ranks_per_node)
     world = nodes * hw.ranks_per_node
-    args = (shape, hw, world, seq_len, global_batch, precision, fixed, lora, memory_fraction, documents)
+    args = (shape, hw, world, seq_len, global_batch, precision, fixed, lora, memory_fraction, documents, objective)
     candidates = sorted(_candidates(*args), key=_rank_key)
     report = LayoutSearch(
         shape, hw, nodes, seq_len, global_batch, precision, candidates, lora=lora, memory_fraction=memory_fraction
     )
-    report.documents = documents
+    report.documents, report.objective = documents, objective
     if not report.feasible:
         report.reason = _infeasible_reason(report, fixed)
     return report
@@ -553,9 +537,9 @@ def format_table(report: LayoutSearch, limit: int = 10) -> str:
     if rejected:
         lines.append(f"rejected {len(rejected)} of {len(report.candidates)}, e.g.:")
         seen = set()
-        for c in rejected:  # one per (tp, pp), the closest to fitting first
-            if (c.tp, c.pp) not in seen and len(seen) < 6:
-                seen.add((c.tp, c.pp))
+        for c in rejected:  # one per (tp, pp, cp), the closest to fitting first
+            if (c.tp, c.pp, c.cp) not in seen and len(seen) < 6:
+                seen.add((c.tp, c.pp, c.cp))
                 lines.append(f"  {c.describe()}: {c.reason}")
     lines.append(f"feasible: {report.feasible}" + (f" — {report.reason}" if report.reason else ""))
     return "\n".join(lines)

@@ -16,9 +16,13 @@ tensor), the same convention as :func:`minimum_bytes`.
 TP+SP per decoder layer an all-gather and a reduce-scatter of the activations for attention and for
 the MLP, forward and backward (all-reduces without SP), one more pair at the vocab-parallel
 embedding and lm_head, three per-token fp32 vectors for the vocab-parallel cross entropy, and the
-sum of the gradients of replicated weights (SP norms, replicated KV heads); PP one activation and
-one gradient per microbatch per stage boundary; DP one reduction of the gradient bytes; ZeRO-1 one
-copy of the parameters to every dp rank.
+sum of the gradients of replicated weights (SP norms, replicated KV heads); CP per decoder layer
+the all-gather of the whole row's keys and values (``2·b·S·kv·d`` elements,
+``neuron_parallel.planning.timing.kv_exchange_bytes``, the planner's own count) forward and the
+reduce-scatter of their gradients backward, the activations above counting each rank's ``S/cp``
+tokens; PP one activation and one gradient per microbatch per stage boundary; DP one reduction of
+the gradient bytes over the dp × cp ranks (the ``dp_cp`` group: named ``dp`` or ``cp`` where the
+other degree is 1); ZeRO-1 one copy of the parameters to each of them.
 
 Run as a module under torchrun (``run_ranks(RANK_MODULE, n, [job.json])``), each rank builds the
 job's engine through the training path, trains step 1 (the pipeline's shape inference sends
@@ -39,6 +43,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..parallel.dtensor import local
+from ..planning.model import ModelShape
+from ..planning.timing import kv_exchange_bytes
 
 KINDS = {
     "allreduce_": "all_reduce",
@@ -156,7 +162,7 @@ class CollectiveLog(TorchDispatchMode):
 
 
 def axis_names(mesh) -> dict[tuple[int, ...], str]:
-    """This rank's group of every axis of a ``("dp", "pp", "tp")`` device mesh, by sorted ranks."""
+    """This rank's group of every axis of a ``("dp", ["cp",] "pp", "tp")`` device mesh, by sorted ranks."""
     return {tuple(sorted(dist.get_process_group_ranks(mesh[a].get_group()))): a for a in mesh.mesh_dim_names}
 
 
@@ -184,7 +190,8 @@ def minimum_bytes(engine, job) -> dict[tuple[str, str], float]:
     pc, dims, h = job.parallel, engine.dims, engine.config.hidden_size
     sp = pc.sequence_parallel and dims.tp > 1
     m = pc.num_microbatches if dims.pp > 1 else 1
-    tokens = job.train.micro_batch_size * job.block_size // m  # one microbatch
+    rows = job.train.micro_batch_size // m  # one microbatch
+    tokens = rows * job.block_size // dims.cp  # of which this rank holds S/cp positions a row
     passes = job.grad_accum * m  # microbatch forward+backward passes per stage and step
     act = 2 if pc.mixed_precision == "bf16" else 4
     out: dict[tuple[str, str], float] = defaultdict(float)
@@ -196,13 +203,25 @@ def minimum_bytes(engine, job) -> dict[tuple[str, str], float]:
             if part.last:  # vocab-parallel cross entropy: max, sum of exponentials, target logit
                 out[("all_reduce", "tp")] += 3 * passes * tokens * 4
         out[("all_reduce", "tp")] += _owed_sums(engine, sp)
+    if dims.cp > 1:
+        kv = kv_exchange_bytes(ModelShape.from_config(engine.config), dims.tp, rows, job.block_size, act)
+        layers = sum(len(part.model.layers) for part in engine.parts)
+        out[("all_gather", "cp")] += layers * passes * kv
+        out[("reduce_scatter", "cp")] += layers * passes * kv
     if dims.pp > 1:
         _pipeline_minimum(engine, out, passes * tokens * h * act / (dims.tp if sp else 1))
-    if dims.dp > 1:
-        out[("all_reduce", "dp")] += _local_bytes(engine.parameters())
+    replicas = replica_axis(dims)
+    if dims.dp * dims.cp > 1:
+        out[("all_reduce", replicas)] += _local_bytes(engine.parameters())
         if pc.zero_1:
-            out[("broadcast", "dp")] += _local_bytes(engine.parameters())
+            out[("broadcast", replicas)] += _local_bytes(engine.parameters())
     return dict(out)
+
+
+def replica_axis(dims) -> str:
+    """The name the log gives the ``dp_cp`` group (the ranks holding the same parameters): ``dp``
+    without cp, ``cp`` without dp, else ``dp_cp`` (:func:`audit_rank` names it so)."""
+    return "dp" if dims.cp == 1 else "cp" if dims.dp == 1 else "dp_cp"
 
 
 def _pipeline_minimum(engine, out: dict, per_boundary: float) -> None:
@@ -272,10 +291,12 @@ RANK_MODULE = "neuron_parallel.testing.comm_audit"
 LAYOUTS = {
     "dp2-tp2-pp2": (8, dict(tp=2, pp=2, sequence_parallel=True, zero_1=True, num_microbatches=2)),
     "tp4": (4, dict(tp=4, sequence_parallel=True)),
+    "dp2-cp2": (4, dict(cp=2, zero_1=True)),
 }
 """The audited layouts: world size and ``ParallelConfig.for_world`` settings. ``dp2-tp2-pp2``:
 sequence parallel, ZeRO-1, 1F1B with 2 microbatches; ``tp4``: sequence parallel, the tiny
-model's 2 KV heads each replicated on 2 ranks."""
+model's 2 KV heads each replicated on 2 ranks; ``dp2-cp2``: context parallel (the K/V exchange
+over cp), the gradients reduced and ZeRO-1 sharded over all four dp × cp ranks."""
 GOAL = 1.10
 """The most bytes a step may move, as a multiple of its layout's minimum."""
 
@@ -293,11 +314,13 @@ def audit_rank(job_path: str) -> dict:
     job = JobConfig.load(job_path)
     init_distributed(job.device)
     pc = job.parallel
-    dims = ParallelDims(dp=pc.dp, pp=pc.pp, tp=pc.tp, device_type=job.device)
+    dims = ParallelDims(dp=pc.dp, cp=pc.cp, pp=pc.pp, tp=pc.tp, device_type=job.device)
     engine = build_engine(job, dims, local_device(job.device))
     trainer = Trainer(job, engine, BlockStream(job.dataset_path, seed=job.train.seed), dims, None, None)
     trainer.train_step(1)
-    log = CollectiveLog(axis_names(dims.mesh))
+    axes = axis_names(dims.mesh)
+    axes.setdefault(tuple(sorted(dist.get_process_group_ranks(dims.group("dp_cp")))), replica_axis(dims))
+    log = CollectiveLog(axes)
     with log, engine_phases(engine, log):
         trainer.train_step(2)
     return {**rank_report(log, engine, job), **dims.coordinates()}

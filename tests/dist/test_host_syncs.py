@@ -1,11 +1,11 @@
 """A plain optimizer step (one that does not log, evaluate or checkpoint) converts no tensor to a
 Python value on any rank, and builds no DeviceMesh, at dp2 (ZeRO-1), tp2 with sequence
-parallelism and pp2 (1F1B, 2 microbatches): counted from outside the trainer by
+parallelism, pp2 (1F1B, 2 microbatches) and cp2 (rows cut on the host): counted from outside the trainer by
 ``dist_host_syncs.py``, which wraps every ``Tensor.item``/``tolist``/``numpy``/``__int__``/
 ``__float__``/``__bool__``/``__index__`` and ``DeviceMesh.__init__`` before the jobs start and
 counts the calls whose stack passes through neuron_parallel code (torch's own host-side optimizer
 step counters and a DeviceMesh's rank tables left out; the checkpoint writer's thread reported
-apart). One torchrun trains all six jobs, a run of 6 and one of 12 steps per layout, each logging
+apart). One torchrun trains all eight jobs, a run of 6 and one of 12 steps per layout, each logging
 and checkpointing once (at its last step): both runs of a layout must make exactly the same
 number of conversions, none of them in steps ``1 .. max_steps - 1``, but for what pp2's schedule
 forces.
@@ -34,6 +34,7 @@ LAYOUTS = {
     "dp2": dict(zero_1=True),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2": dict(pp=2, num_microbatches=2),
+    "cp2": dict(cp=2),
 }
 RUNS = (6, 12)
 GLOBAL_BATCH = 8
@@ -54,7 +55,7 @@ def _plain(counts: dict[str, int], max_steps: int, first: int = 1) -> dict[str, 
 def test_plain_steps_convert_no_tensor_to_python(tiny_world, tiny_dataset, tmp_path):
     jobs = []
     for name, parallel in LAYOUTS.items():
-        dp = 2 // parallel.get("tp", 1) // parallel.get("pp", 1)
+        dp = 2 // parallel.get("tp", 1) // parallel.get("pp", 1) // parallel.get("cp", 1)
         for steps in RUNS:
             train = dict(
                 max_steps=steps, log_every=steps, save_every=steps, micro_batch_size=GLOBAL_BATCH // dp, lr=1e-3

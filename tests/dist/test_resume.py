@@ -1,21 +1,17 @@
 """Checkpoints that never lose work: kill -9 mid-run and resume bit-exactly (asynchronous save),
 and resume a tp2×pp2 checkpoint on other topologies."""
 
-import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from neuron_parallel.checkpoint import export_checkpoint, is_complete, list_checkpoints
-from neuron_parallel.procs import process_tree
 from neuron_parallel.testing.ranks import run_ranks
 from neuron_parallel.train import FAIL_AFTER_ENV
 
-from ..conftest import ROOT, read_metrics, torchrun, write_job
+from ..conftest import ROOT, kill_9_once, read_metrics, torchrun, write_job
 from ..unit.test_reporting import tensorboard_scalars
 
 
@@ -25,17 +21,8 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     job = write_job(
         tmp_path / "run", tiny_world["model"], tiny_dataset.path, world=2, train=dict(train, async_save=True)
     )
-
-    def kill_after_checkpoint_10(proc):
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "run/checkpoint-10/COMPLETE").exists():
-            assert proc.poll() is None, "the run ended before checkpoint-10"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        for pid in process_tree(proc.pid):  # a node dying: torchrun and every rank at once
-            os.kill(pid, signal.SIGKILL)
-
-    killed = run_ranks("neuron_parallel.train", 2, [str(job)], cwd=ROOT, on_start=kill_after_checkpoint_10)
+    kill = kill_9_once(tmp_path / "run/checkpoint-10/COMPLETE")  # a node dying: torchrun and every rank
+    killed = run_ranks("neuron_parallel.train", 2, [str(job)], cwd=ROOT, on_start=kill)
     assert killed.returncode != 0, killed.tail()
     done = [c for c in list_checkpoints(tmp_path / "run") if is_complete(c)]
     assert done and done[-1].name != "checkpoint-40"

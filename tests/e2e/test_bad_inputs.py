@@ -65,6 +65,12 @@ def _chat(d: Path, bad, first=HELLO) -> str:
     return _write(d / "data" / "c.jsonl", json.dumps({"messages": first}) + "\n" + json.dumps({"messages": bad}) + "\n")
 
 
+def _pairs(d: Path, rows: list[dict]) -> dict:
+    """Preference data (ORPO, which needs no reference) of ``rows``."""
+    source = _write(d / "data" / "p.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    return {"data.format": "preference", "data.source": source, "train.objective": "orpo"}
+
+
 def _bad_chat(bad):
     return lambda w, d: {"data.format": "chat", "data.source": _chat(d, bad), "data.chat_template": LLAMA3}
 
@@ -136,7 +142,7 @@ CASES: dict[str, Case] = {
     "zero-ranks": Case(lambda w, d: {"launch.nproc_per_node": 0}, "launch.nproc_per_node", "load"),
     "unknown-format": Case(lambda w, d: {"data.format": "xml"}, "data.format", "load"),
     "lora-rank-zero": Case(lambda w, d: {"train.lora": {"r": 0}}, "train.lora.r", "load"),
-    "tp-beyond-world": Case(lambda w, d: {"parallel.tp": 4}, "is not divisible by tp × pp", "load"),
+    "tp-beyond-world": Case(lambda w, d: {"parallel.tp": 4}, "is not divisible by cp × tp × pp", "load"),
     "hub-repo-id": Case(lambda w, d: {"hub.repo_id": "bad repo!!"}, "'bad repo!!' is not a Hub repo id", "load"),
     "hub-plain-http": Case(lambda w, d: {"hub.endpoint": "http://hub.example.com"}, "is not an https:// URL", "load"),
     "hub-endpoint-not-allowed": Case(
@@ -259,6 +265,20 @@ CASES: dict[str, Case] = {
     "no-template": Case(
         lambda w, d: {"data.format": "chat", "data.source": _chat(d, HELLO)},
         "set data.chat_template: path/to/template.jinja",
+        "tokenize",
+    ),
+    "preference-missing-column": Case(
+        lambda w, d: _pairs(d, [{"prompt": "q", "better": "yes", "rejected": "no"}] * 2),
+        "has no chosen column 'chosen'; columns: ['prompt', 'better', 'rejected']; set data.chosen_field",
+        "tokenize",
+        key="data.chosen_field",
+    ),
+    "preference-empty-completion": Case(
+        lambda w, d: _pairs(
+            d, [{"prompt": "q", "chosen": "yes", "rejected": "no"}, {"prompt": "q", "chosen": "yes", "rejected": ""}]
+        ),
+        "data.source row 1: the rejected completion (column 'rejected') is empty; every pair needs a non-empty "
+        "chosen and rejected completion: fix or remove the row",
         "tokenize",
     ),
     "unknown-config-name": Case(

@@ -249,30 +249,3 @@ def test_evaluate_alone_gates_against_the_card_published_at_the_repo(runs, hub):
     # The baseline is every figure the card records, the eval loss the same as this one's.
     assert set(saved["baseline"]) == {"eval_loss", "tiny_mc/acc"} and set(saved["model"]) == {"eval_loss"}
     assert saved["baseline"]["eval_loss"] == saved["model"]["eval_loss"]
-
-
-@pytest.mark.slow
-def test_a_dpo_runs_eval_loss_is_its_preference_loss_against_the_base_model(tiny_world, tmp_path):
-    """`neuron-flows train` of the DPO config (2 ranks), then `neuron-flows evaluate` of its
-    consolidated checkpoint: the eval loss is the mean per-pair DPO loss against the base model,
-    as the engine computed it after the last step."""
-    config = str(ROOT / "configs" / "tiny-dpo-cpu.yaml")
-    sets = {
-        "model.name_or_path": tiny_world["model"],
-        "data.source": tiny_world["preference"],
-        "data.cache_dir": tmp_path / "datasets",
-        "train.max_steps": 2,
-        "train.save_every": 0,
-        "output.dir": tmp_path / "run",
-    }
-    code, out = _cli("train", config, *_sets(sets))
-    assert code == 0, out[-3000:]
-    assert _cli("consolidate", str(tmp_path / "run"), str(tmp_path / "model"))[0] == 0
-    code, out = _cli(
-        "evaluate", str(tmp_path / "model"), "--config", config, *_sets({**sets, "output.dir": tmp_path / "e"})
-    )
-    assert code == 0, out[-3000:]
-    figure = json.loads((tmp_path / "e" / "evaluation.json").read_text())["model"]["eval_loss"]
-    engine = [m["eval_loss"] for m in read_metrics(tmp_path / "run") if "eval_loss" in m][-1]
-    assert abs(figure - engine) <= 1e-5 * engine
-    assert engine < 0.69  # below ln 2, the loss of the base model against itself: a preference loss

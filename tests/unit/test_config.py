@@ -125,7 +125,7 @@ def test_split_that_does_not_divide_world_names_the_fix():
     with pytest.raises(ValueError) as e:
         FinetuneConfig.load(TINY, ["parallel.tp=3", "launch.nproc_per_node=4"])
     msg = str(e.value)
-    assert "world size 4" in msg and "tp × pp = 3 × 1 = 3" in msg and "tp=2, pp=1" in msg
+    assert "world size 4" in msg and "cp × tp × pp = 1 × 3 × 1 = 3" in msg and "tp=2, pp=1" in msg
 
 
 def test_bad_values_are_reported_with_their_key():

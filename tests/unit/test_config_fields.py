@@ -44,6 +44,7 @@ SAMPLES = {
     "data.eval_fraction": 0.1,
     "parallel.tp": 2,
     "parallel.pp": 2,
+    "parallel.cp": 2,
     "parallel.zero_1": True,
     "parallel.sequence_parallel": True,
     "parallel.num_microbatches": 4,
@@ -223,5 +224,5 @@ def test_the_form_takes_auto_for_planned_fields_only(flow_schema):
 def test_derived_keys_are_refused_with_the_rule():
     with pytest.raises(ValueError, match=r"train.grad_accum.*global_batch_size / \(micro_batch_size × dp\)"):
         FinetuneConfig.load(None, ["train.grad_accum=2"])
-    with pytest.raises(ValueError, match=r"parallel.dp.*world size / \(tp × pp\)"):
+    with pytest.raises(ValueError, match=r"parallel.dp.*world size / \(cp × tp × pp\)"):
         FinetuneConfig.load(None, ["parallel.dp=2"])

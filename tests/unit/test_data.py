@@ -181,3 +181,25 @@ def test_a_tokenized_dataset_pickles_and_reloads_equal(tiny_world, tmp_path):
     assert pickle.loads(pickle.dumps(ds)) == ds == tokenize_dataset(format="chat", eval_fraction=0.1, **kw)
     assert json.loads((tmp_path / ds.fingerprint / "neuron_flows_dataset.json").read_text())["audit"] == ds.audit
     assert ds.path.endswith("/train") and ds.eval_path.endswith("/eval") and ds.attention == "document"
+
+
+def test_a_pool_of_encoders_gives_the_rows_of_one_process(tiny_world, tmp_path):
+    """Chat rows encoded by two worker processes equal those encoded in this one, bit for bit;
+    num_proc=1 and small sources (under POOL_MIN_BYTES) start no pool."""
+    from neuron_parallel.data import POOL_MIN_BYTES, _encode_procs
+    from neuron_parallel.tiny import TEMPLATES
+
+    assert _encode_procs(1, POOL_MIN_BYTES) is None and _encode_procs(3, 0) == 3
+    assert _encode_procs(None, POOL_MIN_BYTES - 1) is None
+    kw = dict(
+        source=tiny_world["chat"],
+        tokenizer_dir=tiny_world["model"],
+        block_size=256,
+        format="chat",
+        chat_template=str(TEMPLATES / "llama3.jinja"),
+    )
+    one = tokenize_dataset(cache_dir=tmp_path / "one", **kw)
+    two = tokenize_dataset(cache_dir=tmp_path / "two", num_proc=2, **kw)
+    assert one.num_blocks > 1 and one.audit == two.audit
+    a, b = load_from_disk(one.path).with_format("numpy")[:], load_from_disk(two.path).with_format("numpy")[:]
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

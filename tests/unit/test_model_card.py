@@ -106,3 +106,25 @@ def test_the_cards_configuration_is_a_config_that_runs_the_chosen_layout():
     assert summary["layout"] == "tp=2 pp=1 dp=2 zero1 sp" and summary["steps"] == 7
     assert summary["hardware"] == "cpu: 1 node(s) × 4 cpu rank(s), fp32"
     assert summary["batch"] == "16 sequences of 64 tokens per step (micro batch 2 × accumulation 4 × dp 2)"
+
+
+def test_a_preference_runs_card_shows_its_objective_and_reward_figures(model_dir):
+    sets = ["launch.nproc_per_node=4", "data.block_size=64", "data.format=preference", "data.eval_fraction=0.1"]
+    config = FinetuneConfig.load(None, [*sets, "train.objective=dpo", "train.preference.beta=0.2"])
+    final = {"loss": 0.31, "rewards_accuracy": 0.9375, "rewards_margin": 1.23456, "rewards_chosen": 0.5}
+    final |= {"rewards_rejected": -0.73456, "eval_loss": 0.35, "eval_rewards_accuracy": 0.875}
+    final |= {"eval_rewards_margin": 1.1, "eval_rewards_chosen": 0.4, "eval_rewards_rejected": -0.7}
+    result = TrainResult(run_dir="r", final_step=30, resumed_from_step=0, last_metrics=final)
+    summary = card_summary(config, result, layout())
+    card = ModelCard.load(write_model_card(model_dir, repo_id=None, base_model="org/b", datasets=[], summary=summary))
+    assert "| objective | dpo (sigmoid, beta=0.2, label_smoothing=0) |" in card.text
+    assert "| final loss | 0.31 |" in card.text and "| eval loss | 0.35 |" in card.text
+    for label, prefix in (("final", ""), ("eval", "eval_")):
+        for name in ("rewards_accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected"):
+            shown = f"{final[prefix + name]:.4g}"  # the card's cells show 4 significant digits
+            assert f"| {label} {name} | {shown} |" in card.text, (label, name)
+    orpo = FinetuneConfig.load(None, [*sets, "train.objective=orpo"])
+    assert card_summary(orpo, result, layout())["objective"] == "orpo (beta (the odds-ratio weight λ)=0.1)"
+    # A supervised run's card has none of these rows.
+    sft = card_summary(FinetuneConfig.load(None, sets[:2]), result, layout())
+    assert not {k for k in sft if "rewards" in k or k == "objective"}

@@ -45,7 +45,7 @@ def test_bad_plans_name_the_fix(tiny_world, parallel, match):
 
 
 def test_world_size_must_be_divisible():
-    with pytest.raises(ValueError, match="not divisible by tp × pp = 2 × 2 = 4"):
+    with pytest.raises(ValueError, match="not divisible by cp × tp × pp = 1 × 2 × 2 = 4"):
         ParallelConfig.for_world(6, tp=2, pp=2)
 
 

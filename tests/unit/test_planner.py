@@ -112,7 +112,7 @@ def test_compute_runs_at_the_peak_of_the_precision_run():
     assert trn2.peak_flops("fp32") == 181e12 / 4 and trn2.peak_flops("bf16_autocast") == 667e12 / 4
     assert h200.peak_flops("fp32") == 989e12 / 2 and h200.peak_flops("bf16") == 989e12
     assert cpu.peak_flops("fp32") == cpu.peak_flops("bf16_autocast")  # one nominal figure on CPU
-    layout = dict(tp=8, pp=1, zero_1=True, sequence_parallel=True, activation_checkpointing=1, micro_batch_size=1)
+    layout = dict(tp=8, pp=1, cp=1, zero_1=True, sequence_parallel=True, activation_checkpointing=1, micro_batch_size=1)
     kw = dict(seq_len=4096, global_batch=64, fixed=layout)
     fp32, bf16 = (search_layouts(LLAMA_8B, "trn2", precision=p, **kw).candidates for p in ("fp32", "bf16_autocast"))
     assert len(fp32) == len(bf16) == 1

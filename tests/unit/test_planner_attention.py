@@ -9,7 +9,10 @@ runs in several chunks).
 * the fp32 scores path (neuron, modelled on torch's own decomposition): the same, with
   scaled-dot-product attention forced onto torch's math backend, against the causal flash path;
 * the chunked loss: nothing of the logits held from forward to backward, and at backward the
-  buffers of one chunk and the lm_head's weight gradient."""
+  buffers of one chunk and the lm_head's weight gradient;
+* context parallelism's blocked attention (``neuron_parallel.parallel.context.blocked_attention``),
+  on its own: nothing but its output held from forward to backward, and the peak of its
+  backward, on CPU's fused kernel and on torch's math decomposition (neuron's path)."""
 
 import pytest
 import torch
@@ -17,7 +20,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from neuron_parallel.memprof import TensorMemoryProfile
 from neuron_parallel.models.causal_lm import CausalLMStage, build_meta_model, materialize
-from neuron_parallel.planning.attention import attention_bytes, attention_path, block_size_advice, logits_bytes
+from neuron_parallel.parallel.context import BlockedMask, blocked_attention, shard_index
+from neuron_parallel.planning.attention import (
+    attention_bytes,
+    attention_path,
+    block_size_advice,
+    blocked_work,
+    logits_bytes,
+)
 from neuron_parallel.planning.memory import STATES, ModelShape, stage_memory
 
 LAYERS = 2
@@ -140,6 +150,47 @@ def test_chunked_loss_holds_one_chunk_and_nothing_until_backward(stage, seq):
         f"chunked loss S={seq}: measured {measured / MiB:.2f} MiB at backward, predicted {predicted / MiB:.2f} MiB "
         f"(unchunked: {(3 * seq * shape.vocab_size * 4 + head_grad) / MiB:.0f} MiB)"
     )
+    assert abs(measured / predicted - 1) <= 0.03, (measured, predicted)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["stream", "documents"])
+@pytest.mark.parametrize("path", ["mask_blocks", "score_blocks"])
+def test_blocked_attention_holds_what_the_planner_counts(path, documents):
+    """Two rows of 4096 tokens on cp rank 0 of 2 (2048 local queries: 4 blocks of 512), fp32, the
+    K/V of the whole row as gathered, q, k and v made by an op as in a layer. ``mask_blocks`` runs
+    CPU's fused kernel, ``score_blocks`` torch's math decomposition (fp32 scores, neuron's way)."""
+    rows, heads, kv_heads, head_dim, seq, cp = 2, 4, 2, 32, 4096, 2
+    config = dict(model_type="llama", hidden_size=heads * head_dim, num_hidden_layers=1, vocab_size=32000)
+    config.update(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=512)
+    shape, local = ModelShape.from_config(config), seq // cp
+    assert attention_path("cpu" if path == "mask_blocks" else "neuron", documents, seq, head_dim, cp) == path
+    g = torch.Generator().manual_seed(0)
+    leaves = [
+        torch.randn(rows, h, n, head_dim, generator=g, requires_grad=True) for h, n in ((4, local), (2, seq), (2, seq))
+    ]
+    q, k, v = (t * 1 for t in leaves)
+    docs = (torch.arange(seq) // 1000).expand(rows, seq).contiguous() if documents else None
+    mask = BlockedMask(torch.from_numpy(shard_index(seq, cp, 0)), seq, docs, torch.float32)
+    with sdpa_kernel(SDPBackend.MATH if path == "score_blocks" else SDPBackend.FLASH_ATTENTION):
+        with TensorMemoryProfile() as probe:
+            with torch.profiler.record_function("phase:start"):  # the allocator's running total here
+                marker = torch.zeros(1024)
+            with torch.profiler.record_function("phase:forward"):
+                out = blocked_attention(q, k, v, mask)
+            grad = torch.randn_like(out)
+            with torch.profiler.record_function("phase:backward"):
+                out.backward(grad)
+    bounds = {name: (start, end) for start, end, name in probe.ranges}
+
+    def allocated(at: int) -> int:
+        return [total for t, total in probe.events if t <= at][-1]
+
+    held = allocated(bounds["forward"][1]) - allocated(bounds["start"][1])
+    assert held == out.numel() * 4 and marker.numel()  # the output; nothing of the blocks
+    before = allocated(bounds["backward"][0])
+    measured = probe.peak()["phases"]["backward"] - before
+    predicted = rows * local * blocked_work(shape, 1, seq, STATES["fp32"], path, cp, documents, rows)
+    print(f"{path} {documents=}: backward holds {measured / MiB:.2f} MiB, predicted {predicted / MiB:.2f} MiB")
     assert abs(measured / predicted - 1) <= 0.03, (measured, predicted)
 
 

@@ -40,16 +40,23 @@ def trn2_8b():
 
 
 def test_headroom_rejects_the_layout_that_filled_a_trn2_core(trn2_8b):
-    # Without headroom the planner picks a layout predicted at 22.4 of the core's 24.0 GiB.
+    # Without headroom the planner picks a layout predicted at 23.8 of the core's 24.0 GiB.
     filled = trn2_8b["packed-no-headroom"].best
-    assert (filled.tp, filled.pp, filled.dp, filled.zero_1, filled.sequence_parallel) == (8, 1, 8, True, True)
-    assert round(filled.memory_per_rank_bytes / GiB, 1) == 22.4
+    assert (filled.tp, filled.pp, filled.dp, filled.cp, filled.zero_1, filled.sequence_parallel) == (
+        16,
+        1,
+        4,
+        1,
+        True,
+        True,
+    )
+    assert round(filled.memory_per_rank_bytes / GiB, 1) == 23.8
     # With the default memory_fraction (0.9) the same layout, same prediction, is rejected.
     report = trn2_8b["packed"]
     same = next(c for c in report.candidates if c.describe() == filled.describe())
     assert not same.fits and same.memory_per_rank_bytes == filled.memory_per_rank_bytes
     assert "24.0 GiB, of which a layout may fill 90% (21.60 GiB, memory_fraction=0.9)" in same.reason
-    assert "needs 22.43 GiB" in same.reason and "a memory_fraction of at least 0.94" in same.reason
+    assert "needs 23.79 GiB" in same.reason and "a memory_fraction of at least 1.00" in same.reason
     assert report.feasible and report.best.describe() != filled.describe()
     assert all(c.memory_per_rank_bytes <= 0.9 * TRN2_RANK for c in report.candidates if c.fits)
     assert "fits within 90% of 24.0 GiB = 21.6 GiB per rank" in format_table(report)
@@ -58,7 +65,7 @@ def test_headroom_rejects_the_layout_that_filled_a_trn2_core(trn2_8b):
 
 def test_lora_fits_llama_8b_at_a_smaller_tp_than_full_fine_tuning(trn2_8b):
     full, lora = trn2_8b["full"].best, trn2_8b["lora"].best
-    assert (full.tp, full.pp) == (4, 1) and (lora.tp, lora.pp) == (4, 1)  # the fastest; LoRA also fits below
+    assert (full.tp, full.pp, full.cp) == (8, 1, 1) and (lora.tp, lora.pp, lora.cp) == (4, 1, 1)  # the fastest
     assert lora.memory_per_rank_bytes <= 0.9 * TRN2_RANK and lora.tokens_per_s > full.tokens_per_s
 
     def smallest_tp_without_pipeline(report):

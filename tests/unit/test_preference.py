@@ -175,3 +175,167 @@ def test_objectives_match_the_papers_formulas(objective, cfg):
             lc, lr = (sums[r, k] / n[r, k]) if avg else sums[r, k]
             want += [loss, wc, wr, float(wc > wr), lc, lr]
     assert np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-5), (got, want)
+
+
+PAIRS = [
+    {"prompt": f"Question {i} about lists?", "chosen": " See the docs.", "rejected": f" noise words {i}"}
+    for i in range(12)
+]
+
+
+def _other_weights(tiny_world, d):
+    """The tiny model with one weight changed: another model to the reference's digest."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = d / "other-model"
+    shutil.copytree(tiny_world["model"], model)
+    tensors = load_file(model / "model.safetensors")
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return str(model)
+
+
+def test_a_reference_of_another_model_or_other_rows_is_refused_before_any_weight_loads(
+    tiny_world, tmp_path, world_of_one
+):
+    from datasets import load_from_disk
+
+    from neuron_parallel.checkpoint.format import base_model_identity
+    from neuron_parallel.config import DataConfig, JobConfig, ParallelConfig, TrainConfig
+    from neuron_parallel.preference import REFERENCE_RECORD, check_reference, compute_reference, reference_dir
+    from neuron_parallel.train import train_job
+
+    model = tiny_world["model"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    rows = _tokenize(tiny_world, tmp_path / "a", PAIRS, block_size=64, eval_fraction=0.25)
+    ref = compute_reference(model, rows.path, rows.eval_path)
+    check_reference(ref, model, rows.path, rows.eval_path)  # its own model and rows: accepted
+
+    other_model = _other_weights(tiny_world, tmp_path)
+    with pytest.raises(ValueError, match=r"job reference_path=.*model_path=.*\(model.name_or_path\).*other weights"):
+        check_reference(ref, other_model, rows.path, rows.eval_path)
+    other_rows = _tokenize(tiny_world, tmp_path / "b", PAIRS, block_size=48, eval_fraction=0.25)
+    with pytest.raises(ValueError, match=r"its train values are those of other rows.*rerun the reference step"):
+        check_reference(ref, model, other_rows.path, other_rows.eval_path)
+    with pytest.raises(ValueError, match=r"holds no reference.json"):
+        check_reference(tmp_path, model, rows.path, None)
+
+    # Training refuses it on every rank before the engine is built: nothing is written.
+    run = tmp_path / "run"
+    job = JobConfig(
+        model_path=other_model,
+        dataset_path=rows.path,
+        eval_dataset_path=rows.eval_path,
+        reference_path=str(ref),
+        output_dir=str(run),
+        data=DataConfig(block_size=64, format="preference"),
+        parallel=ParallelConfig.for_world(1),
+        train=TrainConfig(objective="dpo", max_steps=1, global_batch_size=2, micro_batch_size=2),
+    )
+    with pytest.raises(ValueError, match=r"job reference_path=.*rerun the reference step"):
+        train_job(job)
+    assert not run.exists()
+
+    # The reference step recomputes a folder whose record is not these rows' (rows rewritten in place).
+    values = load_from_disk(str(ref / "train"))[:]
+    record = json.loads((ref / REFERENCE_RECORD).read_text())
+    record["rows"]["train"]["num_rows"] += 1
+    (ref / REFERENCE_RECORD).write_text(json.dumps(record))
+    assert (
+        compute_reference(model, rows.path, rows.eval_path)
+        == ref
+        == reference_dir(rows.path, base_model_identity(model)["sha256"])
+    )
+    check_reference(ref, model, rows.path, rows.eval_path)
+    assert load_from_disk(str(ref / "train"))[:] == values
+
+
+def _reference_pair_rows(table, *, block_size, pad_id, one_per_row):
+    """``pair_rows`` written pair by pair in plain Python, as the module docstring states it."""
+    import pyarrow as pa
+
+    cols = {n: table.column(n).to_pylist() for n in ("prompt", "chosen", "rejected")}
+    units, truncated = [], []
+    for p, ch, rj in zip(cols["prompt"], cols["chosen"], cols["rejected"]):
+        cut = fit_pair(len(p), len(ch), len(rj), block_size)
+        if cut is not None:
+            units.append((p[cut:], ch, rj))
+            truncated.append(cut > 0)
+    rows, used = [], block_size + 1
+    for i, (p, ch, rj) in enumerate(units):
+        n = 2 * len(p) + len(ch) + len(rj)
+        if one_per_row or used + n > block_size:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    shape = (len(rows), block_size)
+    ids, labels = np.full(shape, pad_id), np.full(shape, -100)
+    seq, positions = np.full(shape, -1), np.zeros(shape, dtype=np.int64)
+    counts = {k: np.zeros(len(rows), dtype=np.int64) for k in ("_kept", "_truncated", "_tokens", "_trained")}
+    for r, members in enumerate(rows):
+        at = 0
+        for k, i in enumerate(members):
+            p, *completions = units[i]
+            for s, comp in enumerate(completions):
+                doc = np.asarray(p + comp)
+                ids[r, at : at + len(doc)], positions[r, at : at + len(doc)] = doc, np.arange(len(doc))
+                labels[r, at + len(p) - 1 : at + len(doc) - 1] = doc[len(p) :]
+                seq[r, at + len(p) - 1 : at + len(doc) - 1] = 2 * k + s
+                at += len(doc)
+                counts["_trained"][r] += len(comp)
+            counts["_kept"][r] += 1
+            counts["_truncated"][r] += truncated[i]
+        positions[r, at:] = np.arange(block_size - at)
+        counts["_tokens"][r] = at
+    arrays = {"input_ids": ids, "labels": labels, "position_ids": positions, "sequence_ids": seq}
+    fixed = {
+        k: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1).astype(np.int32)), block_size)
+        for k, v in arrays.items()
+    }
+    return pa.table({**fixed, **{k: pa.array(v) for k, v in counts.items()}})
+
+
+@pytest.mark.parametrize("one_per_row", [False, True])
+def test_pair_rows_equal_the_pair_by_pair_rule(one_per_row):
+    """Varied pairs (fitting, truncated, dropped; prompts of one token up) in batches of several
+    Arrow chunks: the same rows, labels, sequence ids and counts, bit for bit."""
+    import pyarrow as pa
+
+    from neuron_parallel.preference import pair_rows
+
+    rng = np.random.default_rng(0)
+    for block_size in (8, 13, 64):
+        lengths = rng.integers(1, block_size, size=(120, 3))
+        lengths[::7, 0] = block_size  # long prompts: truncated, or dropped with long completions
+        pairs = [[rng.integers(0, 500, size=n).tolist() for n in row] for row in lengths]
+        chunks = [pairs[:50], pairs[50:51], pairs[51:]]
+        table = pa.Table.from_batches(
+            [pa.RecordBatch.from_pydict(dict(zip(("prompt", "chosen", "rejected"), zip(*part)))) for part in chunks]
+        )
+        kw = dict(block_size=block_size, pad_id=3, one_per_row=one_per_row)
+        got, want = pair_rows(table, **kw), _reference_pair_rows(table, **kw)
+        assert got.schema == want.schema and got.equals(want), block_size
+        counts = {k: sum(want.column(k).to_pylist()) for k in ("_kept", "_truncated")}
+        assert counts["_kept"] < len(pairs) and counts["_truncated"] > 0  # both rules were exercised
+    assert pair_rows(table.slice(0, 0), **kw).num_rows == 0
+
+
+def test_pair_rows_predict_nothing_across_documents_after_an_empty_prompt():
+    """An empty prompt (a string pair without BOS): each completion's first token has no position
+    before it in its document, so it is no target, and nothing is labelled in the document before."""
+    import pyarrow as pa
+
+    from neuron_parallel.preference import pair_rows
+
+    table = pa.table({"prompt": [[], [7]], "chosen": [[1, 2], [4]], "rejected": [[5, 6, 9], [8]]})
+    rows = pair_rows(table, block_size=16, pad_id=0, one_per_row=False).to_pydict()
+    assert rows["input_ids"][0][:9] == [1, 2, 5, 6, 9, 7, 4, 7, 8]
+    assert rows["position_ids"][0][:10] == [0, 1, 0, 1, 2, 0, 1, 0, 1, 0]
+    assert rows["labels"][0][:9] == [2, -100, 6, 9, -100, 4, -100, 8, -100]
+    assert rows["sequence_ids"][0][:9] == [0, -1, 1, 1, -1, 2, -1, 3, -1]
+    assert rows["_trained"] == [5] and rows["_tokens"] == [9] and rows["_kept"] == [2]
