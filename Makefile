@@ -7,7 +7,7 @@ TINY := .tiny
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test test-unit test-dist test-e2e lint test-slow bench serve clean chromium
+.PHONY: demo test test-unit test-dist test-e2e lint test-slow test-all bench serve clean chromium
 
 # compileall: the project's own bytecode. An editable install leaves it to the first import, and
 # where PYTHONDONTWRITEBYTECODE is set every process (each rank of each run) would compile it anew.
@@ -56,6 +56,11 @@ test-e2e: $(STAMP) chromium
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(XDIST) --durations=20
+
+# Both tiers in one pytest session (what CI runs): the session's servers, warm ranks and tiny
+# world start once, and the two workers share out every test file together.
+test-all: lint chromium
+	$(BIN)/python -m pytest -q -m "slow or not slow" $(XDIST) --durations=40
 
 serve: $(STAMP) $(TINY)/model/config.json
 	$(BIN)/neuron-flows serve

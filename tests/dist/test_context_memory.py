@@ -24,7 +24,7 @@ from neuron_parallel.utils import CONTEXT_QUERY_BLOCK
 from ..conftest import torchrun, write_job
 
 
-@pytest.mark.parametrize("block", [512, 2048])
+@pytest.mark.parametrize("block", [512, pytest.param(2048, marks=pytest.mark.slow)])  # 2048: two query blocks a rank
 def test_cp2_memory_per_rank_is_within_5_percent_of_the_plan(tiny_world, tmp_path, block):
     from neuron_parallel.data import tokenize_dataset
 
