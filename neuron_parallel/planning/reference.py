@@ -35,8 +35,10 @@ from .model import STATES, ModelShape
 from .timing import (
     SCORE_PASSES,
     collective_latency,
+    forward_flops,
     kv_exchange_bytes,
     links,
+    rank_tokens,
     scores_seconds,
     tp_collective_latency,
 )
@@ -94,11 +96,9 @@ def reference_seconds(
     ``Candidate``; ``layers``: the layer count of every stage), see the module docstring."""
     st = STATES[c.precision]
     h, tp, pp, v, cp = shape.hidden_size, c.tp, c.pp, c.virtual_stages, c.cp
-    b = c.micro_batch_size // c.num_microbatches
-    tokens = b * seq_len // cp
+    b, tokens = rank_tokens(c, seq_len)
     rate = hw.peak_flops(c.precision) * hw.efficiency
-    f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
-    f_head = 2 * shape.vocab_size * h
+    f_layer, f_head = forward_flops(shape, seq_len)
     ring = 2 * (tp - 1) / tp if tp > 1 else 0
     bw = links(hw, tp, pp, c.dp, cp)
     tp_s = ring * tokens * h * st.resid / hw.intra_node_bw + tp_collective_latency(hw, tp, c.sequence_parallel)

@@ -117,6 +117,21 @@ def scores_seconds(shape: ModelShape, hw: HardwareSpec, tp: int, cp: int, rows: 
     return rows * shape.num_heads / tp * (seq_len // cp) * seq_len * 4 / hw.memory_bw
 
 
+def rank_tokens(c, seq_len: int) -> tuple[int, int]:
+    """Rows per pipeline microbatch of layout ``c`` and the tokens a rank holds of them (S/cp a row)."""
+    b = c.micro_batch_size // c.num_microbatches
+    return b, b * seq_len // c.cp
+
+
+def forward_flops(shape: ModelShape, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of one decoder layer (its matmuls, and attention over ``seq_len``
+    keys) and of the lm_head."""
+    return (
+        2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len,
+        2 * shape.vocab_size * shape.hidden_size,
+    )
+
+
 def step_time(
     shape: ModelShape,
     hw: HardwareSpec,
@@ -131,11 +146,9 @@ def step_time(
     documents (their attention path)."""
     st = STATES[c.precision]
     h, tp, pp, v, cp = shape.hidden_size, c.tp, c.pp, c.virtual_stages, c.cp
-    b = c.micro_batch_size // c.num_microbatches
-    tokens = b * seq_len // cp
+    b, tokens = rank_tokens(c, seq_len)
     rate = hw.peak_flops(c.precision) * hw.efficiency
-    f_layer = 2 * shape.layer_params + 4 * shape.num_heads * shape.head_dim * seq_len  # forward, per token
-    f_head = 2 * shape.vocab_size * h
+    f_layer, f_head = forward_flops(shape, seq_len)
     f_attn = 4 * shape.num_heads * shape.head_dim * seq_len  # the attention's forward, per token
     f_train, head_passes = 3 * f_layer, 3  # forward, input gradient, weight gradient
     if lora is not None:  # frozen weights: no weight gradient; attention and adapters as before
