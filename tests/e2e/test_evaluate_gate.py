@@ -9,10 +9,7 @@ and lm-eval compute on the consolidated model themselves."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +19,7 @@ import yaml
 
 from ..conftest import HUB_PORT, ROOT, read_metrics
 from ..hub_server import LocalHub
+from .cli_helpers import run_cli as _cli
 
 CONFIG = ROOT / "configs" / "tiny-chat-cpu.yaml"
 REPO = "gated-tiny-chat"
@@ -38,21 +36,6 @@ CHAT_PROMPT = [{"role": "user", "content": "Tell me more about nonlocal."}]
 def hub(tmp_path_factory):
     with LocalHub(tmp_path_factory.mktemp("hub"), port=HUB_PORT) as server:
         yield server
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    """``neuron-flows ARGS`` through the CLI's entry point in this process: its exit code and stdout."""
-    from neuron_flows.flows.cli import main
-
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            code = main(list(args))
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return code, out.getvalue()
 
 
 def _sets(values: dict) -> list[str]:

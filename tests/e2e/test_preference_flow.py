@@ -9,35 +9,18 @@ check that they compose for a preference objective."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
 import math
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from ..conftest import ROOT, read_metrics
+from .cli_helpers import run_cli as _cli
 
 CONFIG = ROOT / "configs" / "tiny-dpo-cpu.yaml"
 EVAL_PAIRS = 24
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    """``neuron-flows ARGS`` through the CLI's entry point in this process: its exit code and stdout."""
-    from neuron_flows.flows.cli import main
-
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            code = main(list(args))
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return code, out.getvalue()
 
 
 def _split(source: str, d: Path) -> tuple[str, str, list[dict]]:
