@@ -16,6 +16,7 @@ The harness side (:class:`RankPool`) hands job ``n`` to the ranks as the file ``
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
 
             traceback.print_exc()
             exit_rank(1)
+        # The finished job's model and optimizer may sit in reference cycles until the collector
+        # runs: collected now, so that the next job starts with this rank's memory as a fresh
+        # rank's (its measured peak included).
+        gc.collect()
         if dist.get_rank() == 0:
             print_rank_result({"pool_job": n})
         n += 1
