@@ -11,3 +11,21 @@ def warm_ranks_end_with_the_tier():
     after it do not share the CPU with idle ranks."""
     yield
     close_pools()
+
+
+def chatml_rows(tiny_world: dict, cache_dir, block_size: int):
+    """The tiny world's generated conversations rendered with the bundled ChatML template, packed
+    into rows of ``block_size`` tokens, a tenth held out for eval (``tokenize_data``'s result)."""
+    from neuron_parallel.config import DataConfig
+    from neuron_parallel.data import tokenize_data
+    from neuron_parallel.tiny import TEMPLATES
+
+    data = DataConfig(
+        source=tiny_world["chat"],
+        format="chat",
+        chat_template=str(TEMPLATES / "chatml.jinja"),
+        block_size=block_size,
+        eval_fraction=0.1,
+        cache_dir=str(cache_dir),
+    )
+    return tokenize_data(data, tiny_world["model"])

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from neuron_parallel.checkpoint import list_checkpoints
-from neuron_parallel.tiny import TEMPLATES
 
 from ..conftest import read_metrics, torchrun, write_job
+from .conftest import chatml_rows
 
 STEPS = 3
 BLOCK = 512
@@ -36,18 +36,7 @@ SLOW = {"dp2-cp2-zero1"}  # ZeRO-1 over dp × cp is in cp2-zero1-recompute's run
 
 @pytest.fixture(scope="module")
 def long_chat_rows(tiny_world, tmp_path_factory):
-    from neuron_parallel.config import DataConfig
-    from neuron_parallel.data import tokenize_data
-
-    data = DataConfig(
-        source=tiny_world["chat"],
-        format="chat",
-        chat_template=str(TEMPLATES / "chatml.jinja"),
-        block_size=BLOCK,
-        eval_fraction=0.1,
-        cache_dir=str(tmp_path_factory.mktemp("cp-rows")),
-    )
-    return tokenize_data(data, tiny_world["model"])
+    return chatml_rows(tiny_world, tmp_path_factory.mktemp("cp-rows"), BLOCK)
 
 
 def _run(run_dir, world, parallel, mbs, model, rows, *, resumed=None, **train):

@@ -11,9 +11,8 @@ whole global batch gives the same number everywhere. Train loss of every step an
 import numpy as np
 import pytest
 
-from neuron_parallel.tiny import TEMPLATES
-
 from ..conftest import read_metrics, torchrun, write_job
+from .conftest import chatml_rows
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -30,18 +29,7 @@ LAYOUTS = {  # name: (ranks, parallel, micro_batch_size)
 
 @pytest.fixture(scope="module")
 def chat_rows(tiny_world, tmp_path_factory):
-    from neuron_parallel.config import DataConfig
-    from neuron_parallel.data import tokenize_data
-
-    data = DataConfig(
-        source=tiny_world["chat"],
-        format="chat",
-        chat_template=str(TEMPLATES / "chatml.jinja"),
-        block_size=BLOCK,
-        eval_fraction=0.1,
-        cache_dir=str(tmp_path_factory.mktemp("sft")),
-    )
-    return tokenize_data(data, tiny_world["model"])
+    return chatml_rows(tiny_world, tmp_path_factory.mktemp("sft"), BLOCK)
 
 
 def _run(run_dir, world, parallel, mbs, model, rows):
