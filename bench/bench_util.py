@@ -7,8 +7,10 @@ timestamped logs, medians, load average, result tables and the JSON results file
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -16,6 +18,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+if "HF_DATASETS_CACHE" not in os.environ:
+    # datasets keeps an Arrow copy of every local file it loads in its cache: for a benchmark's
+    # generated data, a temporary folder (it and the benchmark's children use it, removed at exit),
+    # not the user's ~/.cache/huggingface/datasets. Set before anything imports datasets.
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="np-bench-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 from neuron_parallel.procs import cmdline, process_tree
 from neuron_parallel.testing.ranks import RanksResult, run_ranks
