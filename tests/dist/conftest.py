@@ -29,3 +29,23 @@ def chatml_rows(tiny_world: dict, cache_dir, block_size: int):
         cache_dir=str(cache_dir),
     )
     return tokenize_data(data, tiny_world["model"])
+
+
+def train_rows(run_dir, model: str, rows, *, world: int, block_size: int, parallel, train: dict):
+    """Train ``model`` on tokenized ``rows`` (their eval rows too) through torchrun in ``run_dir``
+    and require success: the run's metrics and the torchrun result."""
+    from ..conftest import read_metrics, torchrun, write_job
+
+    job = write_job(
+        run_dir,
+        model,
+        rows.path,
+        eval_dataset=rows.eval_path,
+        world=world,
+        block_size=block_size,
+        parallel=parallel,
+        train=train,
+    )
+    proc = torchrun(job, world, timeout=400)
+    assert proc.returncode == 0, proc.tail()
+    return read_metrics(run_dir), proc

@@ -16,8 +16,7 @@ import pytest
 
 from neuron_parallel.checkpoint import list_checkpoints
 
-from ..conftest import read_metrics, torchrun, write_job
-from .conftest import chatml_rows
+from .conftest import chatml_rows, train_rows
 
 STEPS = 3
 BLOCK = 512
@@ -41,20 +40,10 @@ def long_chat_rows(tiny_world, tmp_path_factory):
 
 def _run(run_dir, world, parallel, mbs, model, rows, *, resumed=None, **train):
     """Train the job of this layout; its metrics. ``resumed``: the step it must resume from."""
-    job = write_job(
-        run_dir,
-        model,
-        rows.path,
-        eval_dataset=rows.eval_path,
-        world=world,
-        block_size=BLOCK,
-        parallel=parallel,
-        train=dict(TRAIN, global_batch_size=ROWS, micro_batch_size=mbs, **train),
-    )
-    proc = torchrun(job, world, timeout=400)
-    assert proc.returncode == 0, proc.tail()
+    train = dict(TRAIN, global_batch_size=ROWS, micro_batch_size=mbs, **train)
+    metrics, proc = train_rows(run_dir, model, rows, world=world, block_size=BLOCK, parallel=parallel, train=train)
     assert [e["step"] for e in proc.events if e["event"] == "resumed"] == ([resumed] if resumed else [])
-    return read_metrics(run_dir)
+    return metrics
 
 
 def _same(ours, reference, steps=range(STEPS)):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ..conftest import read_metrics, torchrun, write_job
-from .conftest import chatml_rows
+from .conftest import chatml_rows, train_rows
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -33,19 +33,8 @@ def chat_rows(tiny_world, tmp_path_factory):
 
 
 def _run(run_dir, world, parallel, mbs, model, rows):
-    job = write_job(
-        run_dir,
-        model,
-        rows.path,
-        eval_dataset=rows.eval_path,
-        world=world,
-        block_size=BLOCK,
-        parallel=parallel,
-        train=dict(TRAIN, global_batch_size=GLOBAL_BATCH, micro_batch_size=mbs),
-    )
-    proc = torchrun(job, world, timeout=400)
-    assert proc.returncode == 0, proc.tail()
-    return read_metrics(run_dir)
+    train = dict(TRAIN, global_batch_size=GLOBAL_BATCH, micro_batch_size=mbs)
+    return train_rows(run_dir, model, rows, world=world, block_size=BLOCK, parallel=parallel, train=train)[0]
 
 
 @pytest.fixture(scope="module")
