@@ -245,13 +245,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return complete[-1]
 
 
+_WEIGHTS_DIGESTS: dict[tuple, str] = {}
+"""Digests of model folders' weights already read by this process, keyed by each weight file's
+name, inode, size and modification time: one process (the flow's, running the reference, train
+and evaluate steps) hashes a base model's weights once, not at every step that names it."""
+
+
 def base_model_identity(model_path: str | Path) -> dict:
     """What a LoRA checkpoint records of its frozen base: the model's path or name and a digest
     of its weight files' contents (see :func:`check_base_model`)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        h.update(f.name.encode() + sha256_file(f).encode())
-    return {"name_or_path": str(model_path), "sha256": h.hexdigest()}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    stats = [f.stat() for f in files]
+    key = tuple((str(f.resolve()), st.st_ino, st.st_size, st.st_mtime_ns) for f, st in zip(files, stats))
+    if key not in _WEIGHTS_DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + sha256_file(f).encode())
+        _WEIGHTS_DIGESTS[key] = h.hexdigest()
+    return {"name_or_path": str(model_path), "sha256": _WEIGHTS_DIGESTS[key]}
 
 
 def check_base_model(manifest: Manifest, base: dict) -> None:
