@@ -159,13 +159,21 @@ def torchrun(job_path: Path, nproc: int, *, env: dict | None = None, timeout: in
     return pool.run(job_path, hooks=hooks, timeout=timeout)
 
 
-_NOT_THE_JOBS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "HF_XET_HIGH_PERFORMANCE")
-"""Variables that do not make an environment another: pytest's own; the one torch sets itself,
-to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/runtime/
-cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does too; and
-those libraries set when imported, which no job reads: scikit-learn's OpenMP setting and
-lm-eval's Xet download setting (``lm_eval/__init__.py``). Prefect's settings (``PREFECT_*``, which
-``neuron-flows run`` sets for its local server when a test calls it in this process) are not the
+_NOT_THE_JOBS = (
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    "KMP_DUPLICATE_LIB_OK",
+    "HF_XET_HIGH_PERFORMANCE",
+)
+"""Variables that do not make an environment another: pytest's own; the ones torch sets itself:
+the cache folder, to its default, when ``torch._dynamo`` is first imported (``torch/_inductor/
+runtime/cache_dir_utils.py``; ``torch.distributed.pipelining`` imports it), as every rank does
+too, and an address in this process's own memory, each time inductor loads a compiled kernel
+library (``torch/_inductor/codecache.py``; the in-process compile tests do), which means nothing
+to another process; and those libraries set when imported, which no job reads: scikit-learn's
+OpenMP setting and lm-eval's Xet download setting (``lm_eval/__init__.py``). Prefect's settings
+(``PREFECT_*``, which ``neuron-flows run`` sets for its local server when a test calls it in this process) are not the
 jobs' either: the library never imports Prefect."""
 
 
