@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DataConfig, PreferenceConfig
+from .token_starts import encode_ids, id_lists
 
 IGNORE = -100
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
@@ -134,30 +135,15 @@ class PairEncoder:
                 texts[j] = rendered
         bos = tok.bos_token_id
         columns = {}
+        n = len(texts)
+        every = encode_ids(tok.backend_tokenizer, [t[k] for k in range(3) for t in texts])  # one call: one dispatch
         for k, name in enumerate(("prompt", "chosen", "rejected")):
-            encodings = tok.backend_tokenizer.encode_batch([t[k] for t in texts], add_special_tokens=False)
+            encodings = every[k * n : (k + 1) * n]
             if k == 0:  # BOS + prompt
-                columns[name] = self._id_lists(encodings, bos, plain if bos is not None else None, end=False)
+                columns[name] = id_lists(encodings, bos, plain if bos is not None else None, end=False)
             else:  # completion + EOS
-                columns[name] = self._id_lists(encodings, tok.eos_token_id, plain, end=True)
+                columns[name] = id_lists(encodings, tok.eos_token_id, plain, end=True)
         return pa.table(columns)
-
-    @staticmethod
-    def _id_lists(encodings, token: int | None, rows: np.ndarray | None, *, end: bool):
-        """The ids of ``encodings`` as an Arrow list array, with ``token`` added at the start (or
-        the end) of the ``rows`` marked."""
-        from itertools import chain
-
-        import pyarrow as pa
-
-        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
-        flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
-        if rows is not None and rows.any():
-            ends = np.cumsum(counts)
-            flat = np.insert(flat, (ends if end else ends - counts)[rows], token)
-            counts = counts + rows
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
     def _chat_pair(self, prompt: list, chosen: Any, rejected: Any, where: str) -> tuple[list, list, list]:
         """The prompt and each completion as checked message lists (a string completion is one

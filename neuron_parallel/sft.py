@@ -2,8 +2,9 @@
 them carry loss.
 
 Every example is rendered to one string plus the character spans that are trained; the string is
-tokenized once (``add_special_tokens=False``, with offsets) and a token is trained when
-``data.train_on_prompt`` is set or its first character lies in a trained span. Formats:
+tokenized once (``add_special_tokens=False``; where each token starts, from
+``neuron_parallel.token_starts``) and a token is trained when ``data.train_on_prompt`` is set or
+its first character lies in a trained span. Formats:
 
 - ``chat``: ``tokenizer.apply_chat_template`` with ``data.chat_template``'s text, or else the
   tokenizer's own. Assistant turn k spans from the end of the rendering of the turns before it with
@@ -28,7 +29,6 @@ text document longer than a row is instead cut into ``block_size`` pieces, each 
 
 from __future__ import annotations
 
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from .chat import ChatRenderer
 from .config import DataConfig
+from .token_starts import TokenStarts, encode_ids, id_lists
 from .utils import gc_paused
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -228,6 +229,9 @@ class Encoder:
                 f"the tokenizer in {tokenizer.name_or_path} is a slow one: save it with tokenizer.json"
             )
         self.render = Renderer(data, tokenizer, columns, template) if data.format != "text" else None
+        # The Rust tokenizer itself (what the fast tokenizer's __call__ runs), without the
+        # conversion of every other field of its encodings to Python lists.
+        self.tokens = TokenStarts(tokenizer.backend_tokenizer) if self.render is not None else None
 
     def __call__(self, batch: dict[str, list], indices: list[int]):
         with gc_paused():
@@ -237,32 +241,29 @@ class Encoder:
         if self.render is None:
             texts = batch[self.columns["text"]]
             if self.tokenizer.is_fast:
-                ids = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-            else:
-                ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+                import pyarrow as pa
+
+                encodings = encode_ids(self.tokenizer.backend_tokenizer, texts)
+                return pa.table({"ids": id_lists(encodings, self.eos, None, end=True)})
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             return {"ids": [x + [self.eos] for x in ids]}
         rows = [{k: batch[k][i] for k in batch} for i in range(len(indices))]
         rendered = self.render.batch(rows, [f"{self.where} row {i}" for i in indices])
-        # The Rust tokenizer itself (what the fast tokenizer's __call__ runs): its encodings carry
-        # ids and offsets without the conversion to Python lists of every other field.
-        encodings = self.tokenizer.backend_tokenizer.encode_batch([t for t, _, _ in rendered], add_special_tokens=False)
-        return masked_table(encodings, rendered, self.eos)
+        return masked_table(self.tokens, rendered, self.eos)
 
 
-def masked_table(encodings, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
+def masked_table(tokens: TokenStarts, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
     """The ``ids`` and ``trained`` columns (Arrow lists) of examples ``rendered`` as ``(text,
-    trained character spans, append EOS)`` and tokenized as ``encodings``: a token is trained when
-    its first character lies in one of its example's spans; an appended EOS always is. Built from
-    flat arrays of the whole batch, in one search: each example's characters are counted after
+    trained character spans, append EOS)``, tokenized by ``tokens``: a token is trained when its
+    first character lies in one of its example's spans; an appended EOS always is. Built from
+    flat arrays of the whole batch, in one search: each example's positions are counted after
     those of the examples before it, plus one, so that no position is shared."""
     import pyarrow as pa
 
-    counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
-    total = int(counts.sum())
-    flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=total)
-    starts = np.fromiter((s for e in encodings for s, _ in e.offsets), dtype=np.int64, count=total)
-    base = np.cumsum([0] + [len(text) + 1 for text, _, _ in rendered])[:-1]
-    spans = [(a + b, e + b) for (_, ex, _), b in zip(rendered, base.tolist()) for a, e in ex]
+    texts, char_spans = [text for text, _, _ in rendered], [ex for _, ex, _ in rendered]
+    flat, counts, starts, lengths, unit_spans = tokens.encode(texts, char_spans)
+    base = np.cumsum(lengths + 1) - (lengths + 1)
+    spans = [(a + b, e + b) for ex, b in zip(unit_spans, base.tolist()) for a, e in ex]
     trained = in_spans(starts + np.repeat(base, counts), spans)
     with_eos = np.fromiter((e for _, _, e in rendered), dtype=bool, count=len(rendered))
     if with_eos.any():

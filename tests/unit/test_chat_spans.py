@@ -17,6 +17,7 @@ from neuron_parallel.config import DataConfig
 from neuron_parallel.preference import PairEncoder
 from neuron_parallel.sft import Encoder, in_spans, masked_table
 from neuron_parallel.tiny import TEMPLATES
+from neuron_parallel.token_starts import TokenStarts
 
 CONTENTS = [
     "How does a for loop work?",
@@ -156,7 +157,8 @@ def test_the_batch_mask_is_each_examples_own(tiny_world):
     rendered = [(text, spans, False) for text, spans in render.chats(convs, ["row"] * len(convs))]
     rendered += [("### Instruction:\nhi\n\n### Response:\nhello", [(29, 34)], True), ("", [], True), ("x y", [], False)]
     encodings = tokenizer.backend_tokenizer.encode_batch([t for t, _, _ in rendered], add_special_tokens=False)
-    table = masked_table(encodings, rendered, tokenizer.eos_token_id).to_pydict()
+    tokens = TokenStarts(tokenizer.backend_tokenizer)
+    table = masked_table(tokens, rendered, tokenizer.eos_token_id).to_pydict()
     eos = tokenizer.eos_token_id
     for (_, spans, add), enc, ids, trained in zip(rendered, encodings, table["ids"], table["trained"]):
         want = in_spans(np.asarray([s for s, _ in enc.offsets], dtype=np.int64), spans).tolist() + [True] * add

@@ -1,0 +1,152 @@
+"""Token ids and where each token starts in its text, from the Rust tokenizer, without its offsets.
+
+The masks of chat, instruction and prompt/completion data need the position of each token's first
+character (``neuron_parallel.sft``). ``Tokenizer.encode_batch`` reports it as offsets, but those
+cost: the tokenizer tracks them through every step, and Python receives one tuple per token,
+which on the tokenization benchmark took more time than the masks themselves. For the byte-level
+BPE tokenizers of the Llama 3, Qwen2/3 and Mistral-Nemo families the positions follow from the ids
+alone: every token is a fixed byte string, and the tokens of a text are its UTF-8 bytes in order.
+:class:`TokenStarts` then encodes with ``encode_batch_fast`` (no offsets) and takes each token's
+start as the running sum of the byte lengths of the tokens before it: the start of the token's
+first byte. The character rule and this byte rule agree: character spans start and end on
+character boundaries, so a token's first byte lies in a span's bytes exactly when the character
+holding that byte lies in the span.
+
+Where the ids cannot say it, the offsets are used, so the result never differs from theirs:
+- a tokenizer that is not of that kind (a normalizer other than NFC, a pre-tokenizer without
+  byte-level, one that adds a prefix space, offsets trimmed by the post-processor, a vocabulary
+  token outside the byte alphabet): always;
+- a batch where the ids do not add up to each text's bytes (an added token that strips the
+  whitespace beside it, an unknown token) or, under NFC, a text that is not NFC already: that batch.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from itertools import chain
+
+import numpy as np
+
+
+def encode_ids(backend, texts: list[str]) -> list:
+    """``backend.encode_batch_fast`` of ``texts`` without special tokens: encodings whose ids are
+    ``encode_batch``'s, without the offsets nothing here reads."""
+    return backend.encode_batch_fast(texts, add_special_tokens=False)
+
+
+def flat_ids(encodings) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids of every encoding, one after another, as int32; each encoding's token count)``."""
+    counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
+    return flat, counts
+
+
+def id_lists(encodings, token: int | None, rows: np.ndarray | None, *, end: bool):
+    """The ids of ``encodings`` as an Arrow list array, with ``token`` added at the end (or the
+    start) of the ``rows`` marked (all: ``rows`` None and ``token`` given)."""
+    import pyarrow as pa
+
+    flat, counts = flat_ids(encodings)
+    if token is not None and rows is None:
+        rows = np.ones(len(counts), dtype=bool)
+    if rows is not None and rows.any():
+        ends = np.cumsum(counts)
+        flat = np.insert(flat, (ends if end else ends - counts)[rows], token)
+        counts = counts + rows
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
+def _state(component) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _members(state: dict | None, kind: str) -> list[dict]:
+    if state is None:
+        return []
+    return state[kind] if state["type"] == "Sequence" else [state]
+
+
+class TokenStarts:
+    """Encodes texts into ids and token start positions with a fast tokenizer's ``backend``
+    (``tokenizers.Tokenizer``); see the module docstring. Picklable (the ``num_proc`` workers)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.nfc = False
+        self.nbytes: np.ndarray | None = None
+        """Each token id's length in bytes (-1: not a byte string); None: the offsets are used."""
+        self.from_offsets = 0
+        """Batches whose starts came from the offsets."""
+        self.why_not = self._why_not(backend)
+        if self.why_not is None:
+            self.nbytes = self._lengths(backend)
+
+    def _why_not(self, backend) -> str | None:
+        normalizer = _state(backend.normalizer)
+        if normalizer is not None and normalizer["type"] != "NFC":
+            return f"normalizer {normalizer['type']}"
+        self.nfc = normalizer is not None
+        pre = _members(_state(backend.pre_tokenizer), "pretokenizers")
+        levels = [p for p in pre if p["type"] == "ByteLevel"]
+        if not levels:
+            return "no byte-level pre-tokenizer"
+        if any(p.get("add_prefix_space") for p in levels):
+            return "the pre-tokenizer adds a prefix space"
+        post = _members(_state(backend.post_processor), "processors")
+        if any(p["type"] == "ByteLevel" and p.get("trim_offsets") for p in post):
+            return "the post-processor trims offsets"
+        return None
+
+    @staticmethod
+    def _lengths(backend) -> np.ndarray:
+        from tokenizers import pre_tokenizers
+
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        vocab = backend.get_vocab(with_added_tokens=False)
+        added = backend.get_added_tokens_decoder()
+        size = max([*vocab.values(), *added.keys(), -1]) + 1
+        nbytes = np.full(size, -1, dtype=np.int64)
+        for token, i in vocab.items():
+            if alphabet.issuperset(token):
+                nbytes[i] = len(token)
+        for i, tok in added.items():
+            nbytes[i] = len(tok.content.encode())
+        return nbytes
+
+    def encode(self, texts: list[str], spans: list[list[tuple[int, int]]]):
+        """``(ids, counts, starts, lengths, spans)``: every text's token ids one after another
+        (int32), the tokens of each text, where each token starts within its text, each text's
+        length and its character ``spans``, positions all in one unit: bytes of UTF-8 where the ids
+        give them, characters where the offsets were used."""
+        if self.nbytes is not None:
+            found = self._from_ids(texts, spans)
+            if found is not None:
+                return found
+        self.from_offsets += 1
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        ids, counts = flat_ids(encodings)
+        starts = np.fromiter((s for e in encodings for s, _ in e.offsets), dtype=np.int64, count=len(ids))
+        return ids, counts, starts, np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), spans
+
+    def _from_ids(self, texts: list[str], spans: list[list[tuple[int, int]]]):
+        ascii_ = [t.isascii() for t in texts]
+        if self.nfc and not all(a or unicodedata.is_normalized("NFC", t) for a, t in zip(ascii_, texts)):
+            return None
+        ids, counts = flat_ids(encode_ids(self.backend, texts))
+        nbytes = self.nbytes[ids]
+        if len(nbytes) and nbytes.min() < 0:
+            return None
+        before = np.concatenate([[0], np.cumsum(nbytes)])  # bytes before each token, in the whole batch
+        first = np.cumsum(counts) - counts  # each text's first token
+        lengths = np.fromiter(
+            (len(t) if a else len(t.encode()) for t, a in zip(texts, ascii_)), dtype=np.int64, count=len(texts)
+        )
+        if not np.array_equal(before[first + counts] - before[first], lengths):
+            return None
+        spans = [
+            ex if a or not ex else [(len(t[:s].encode()), len(t[:e].encode())) for s, e in ex]
+            for t, ex, a in zip(texts, spans, ascii_)
+        ]
+        return ids, counts, before[:-1] - np.repeat(before[first], counts), lengths, spans
