@@ -56,10 +56,9 @@ class Engine:
     (``parallel.pipeline_losses.reference_runner``); None otherwise."""
     optimizer: object = field(init=False)
     grad_reducer: GradReducer | None = field(init=False)
-    """Averages gradients over the dp × cp ranks while backward runs (None when dp × cp = 1): the
-    loss of each rank is scaled by dp × cp (``neuron_parallel.train.LOSS_RULE``), so the average
-    is the sum over cp, whose ranks hold different positions of the same rows, and the mean over
-    dp."""
+    """Sums gradients over the dp × cp ranks while backward runs (None when dp × cp = 1): the
+    loss of each rank is already divided by the whole global batch's count
+    (``neuron_parallel.train.LOSS_RULE``), so the sum is the gradient of the global mean."""
 
     def __post_init__(self) -> None:
         # ZeRO-1 shards the optimizer state over every rank holding the same parameters (dp × cp):
@@ -77,7 +76,7 @@ class Engine:
         )
         self.grad_reducer = None
         if self.dims.dp_cp > 1:
-            self.grad_reducer = GradReducer(self.parameters(), self.dims.group("dp_cp"), self.dims.dp_cp)
+            self.grad_reducer = GradReducer(self.parameters(), self.dims.group("dp_cp"), self.dims.dp_cp, average=False)
 
     @property
     def tied(self) -> bool:

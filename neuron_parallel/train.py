@@ -65,11 +65,11 @@ LOSS_RULE = (
     "loss = sum of token losses over the labelled tokens of the whole global batch / their number, "
     "whatever the layout, accumulation or pipeline microbatching"
 )
-"""How a step's loss is normalised. Every micro-batch's backward sees its summed token loss ×
-dp·cp / N, where N counts the labelled tokens of the global batch (every rank counts them on the
-host from the rows' labels, ``BlockStream.num_targets``); the all-reduce of gradients over the
-dp × cp ranks averages (÷ dp·cp), so the update is the gradient of the global mean, exactly as
-one process computes it (under context parallelism a rank's summed loss is that of its positions
+"""How a step's loss is normalised. Every micro-batch's backward sees its summed token loss /
+N, where N counts the labelled tokens of the global batch (every rank counts them on the host
+from the rows' labels, ``BlockStream.num_targets``); the all-reduce of gradients over the dp × cp
+ranks sums them, so the update is the gradient of the global mean, exactly as one process
+computes it (under context parallelism a rank's summed loss is that of its positions
 of the rows, and the cp ranks' gradients add up to the rows'). A mean per micro-batch would not
 be: SFT rows hold different numbers of trained tokens."""
 _LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps")
@@ -229,7 +229,7 @@ class Trainer:
         num_targets = self.stream.num_targets(base, job.global_batch_size)
         pairs = self.stream.num_pairs(base, job.global_batch_size) if self.engine.preference else None
         # PAIR_LOSS_RULE under a preference objective: the same rule with pairs in place of tokens.
-        scale = self.dims.dp_cp / max(num_targets if pairs is None else pairs, 1)
+        scale = 1 / max(num_targets if pairs is None else pairs, 1)
         loss_sum = torch.zeros(() if pairs is None else (len(STATS),), device=self.engine.device)
         for a, batch in enumerate(batches):
             # The last micro-batch's backward starts the dp reduction, bucket by bucket.

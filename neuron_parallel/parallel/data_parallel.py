@@ -1,4 +1,4 @@
-"""Data-parallel gradient averaging, overlapped with backward.
+"""Data-parallel gradient reduction (sum or average), overlapped with backward.
 
 :class:`GradReducer` lays this rank's gradients (the local shards of DTensor ones) out in flat
 buckets of about ``bucket_bytes``, in reverse parameter order (roughly the order backward
@@ -12,8 +12,10 @@ so every dp rank issues the same collectives in the same order. As a bucket star
 parameter's ``.grad`` becomes a view into it: the flat copy replaces the gradient rather than
 doubling it, and nothing is copied back. :meth:`GradReducer.finish` starts whatever the hooks did
 not (a parameter left without a gradient contributes zeros; a schedule that accumulates weight
-gradients by hand, as zbv's split backward does, fires no hook), waits for every bucket and
-divides by dp: gloo has no AVG reduction, so sum, then divide.
+gradients by hand, as zbv's split backward does, fires no hook) and waits for every bucket.
+The reduction is a sum; with ``average=True`` it is divided by dp afterwards (gloo has no AVG
+reduction). A caller that already scales each rank's loss by 1 / (the whole batch's count), as
+the training step does, needs only the sum, and saves that pass over the gradients.
 
 Collectives: one all-reduce per bucket on the dp group, about ``gradient bytes / bucket_bytes``
 of them, whatever the number of parameters; the gradient bytes are reduced once.
@@ -59,14 +61,21 @@ def plan_buckets(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter
 
 
 class GradReducer:
-    """Averages the gradients of ``params`` over ``group`` (``world`` ranks), bucket by bucket as
-    backward finishes them (see the module docstring). ``hooks=False`` registers no hook:
-    :meth:`finish` then reduces everything at once."""
+    """Sums the gradients of ``params`` over ``group`` (``world`` ranks), bucket by bucket as
+    backward finishes them, and with ``average`` divides them by ``world`` (see the module
+    docstring). ``hooks=False`` registers no hook: :meth:`finish` then reduces everything at once."""
 
     def __init__(
-        self, params: list[nn.Parameter], group, world: int, *, bucket_bytes: int = BUCKET_BYTES, hooks: bool = True
+        self,
+        params: list[nn.Parameter],
+        group,
+        world: int,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        hooks: bool = True,
+        average: bool = True,
     ) -> None:
-        self.group, self.world = group, world
+        self.group, self.world, self.average = group, world, average
         self.buckets = plan_buckets([p for p in params if p.requires_grad], bucket_bytes)
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._expected = 0  # backward passes per parameter still to come; 0: not armed
@@ -124,14 +133,15 @@ class GradReducer:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Start the buckets not started yet, wait for all, divide by dp. Afterwards every
-        parameter's gradient is the dp average (a view into its bucket)."""
+        """Start the buckets not started yet, wait for all, divide by dp where averaging.
+        Afterwards every parameter's gradient is the dp sum or average (a view into its bucket)."""
         while len(self._inflight) < len(self.buckets):
             self._launch(len(self._inflight))
         for work, flat in self._inflight:
             if work is not None:
                 work.wait()
-                flat.div_(self.world)
+                if self.average:
+                    flat.div_(self.world)
         self._inflight = []
         self._expected = 0
 
