@@ -405,7 +405,7 @@ def main() -> int:
         worker_plain(cfg)
         return 0
 
-    steps = args.steps or (8 if args.quick else 16)
+    steps = args.steps or (8 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     if steps <= warmup + 1:
         raise SystemExit(f"--steps must exceed the {warmup} warm-up steps by at least 2")
@@ -415,7 +415,7 @@ def main() -> int:
         real_stages=args.real_stages,
         steps=steps,
         warmup=warmup,
-        rounds=args.rounds or (1 if args.quick else 2),
+        rounds=args.rounds or (1 if args.quick else 3),
         threads=args.threads,
         mbs1=args.mbs,
         mbs2=max(1, args.mbs // 2),  # dp=2: the same global batch as the 1-rank runs
