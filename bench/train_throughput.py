@@ -335,9 +335,19 @@ def part4(b: Bench) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = parser(__doc__, "8 steps a run, one round, one pipeline stage length")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per timed run (warm-up included)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per timed run, warm-up included (default 40; --quick 8)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="leading steps skipped in every run")
-    ap.add_argument("--rounds", type=int, default=None, help="alternating ours/baseline rounds for parts 1 and 2")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternating ours/baseline rounds, parts 1 and 2 (default 3; --quick 1)",
+    )
     ap.add_argument("--mbs", type=int, default=8, help="micro batch (sequences per rank) of the 1-rank runs")
     ap.add_argument(
         "--threads",
