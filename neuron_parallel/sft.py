@@ -90,10 +90,13 @@ def resolve_columns(data: DataConfig, columns: list[str], where: str) -> dict[st
     }
 
 
+_MESSAGES_FIX = "each row needs a non-empty list of {role, content} with a role in " + ", ".join(ROLES)
+
+
 def check_messages(messages: Any, where: str) -> list[dict]:
     """``messages`` as a list of ``{role, content}``, or a ValueError naming the row, the problem and
     the fix."""
-    fix = "each row needs a non-empty list of {role, content} with a role in " + ", ".join(ROLES)
+    fix = _MESSAGES_FIX
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: the conversation is {'empty' if messages in ([], None) else 'not a list'}; {fix}")
     out = []
@@ -103,7 +106,7 @@ def check_messages(messages: Any, where: str) -> list[dict]:
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: message {j} has role {m['role']!r}; {fix}")
         # Fields left None (other rows' fields, in Arrow's struct) are dropped; a message without any is kept as is.
-        out.append(m if all(v is not None for v in m.values()) else {k: v for k, v in m.items() if v is not None})
+        out.append(m if None not in m.values() else {k: v for k, v in m.items() if v is not None})
     return out
 
 
