@@ -4,7 +4,7 @@ The masks of chat, instruction and prompt/completion data need the position of e
 character (``neuron_parallel.sft``). ``Tokenizer.encode_batch`` reports it as offsets, but those
 cost: the tokenizer tracks them through every step, and Python receives one tuple per token,
 which on the tokenization benchmark took more time than the masks themselves. For the byte-level
-BPE tokenizers of the Llama 3, Qwen2/3 and Mistral-Nemo families the positions follow from the ids
+BPE tokenizers of the Llama 3 and Qwen2/3 families the positions follow from the ids
 alone: every token is a fixed byte string, and the tokens of a text are its UTF-8 bytes in order.
 :class:`TokenStarts` then encodes with ``encode_batch_fast`` (no offsets) and takes each token's
 start as the running sum of the byte lengths of the tokens before it: the start of the token's
@@ -13,11 +13,12 @@ character boundaries, so a token's first byte lies in a span's bytes exactly whe
 holding that byte lies in the span.
 
 Where the ids cannot say it, the offsets are used, so the result never differs from theirs:
-- a tokenizer that is not of that kind (a normalizer other than NFC, a pre-tokenizer without
-  byte-level, one that adds a prefix space, offsets trimmed by the post-processor, a vocabulary
-  token outside the byte alphabet): always;
-- a batch where the ids do not add up to each text's bytes (an added token that strips the
-  whitespace beside it, an unknown token) or, under NFC, a text that is not NFC already: that batch.
+- a tokenizer that is not of that kind (a model other than BPE, or one whose tokens carry a
+  subword prefix or word suffix; a normalizer other than NFC; a pre-tokenizer without byte-level,
+  or one that adds a prefix space; offsets trimmed by the post-processor): always;
+- a batch holding a token outside the byte alphabet (a byte-fallback or unknown token), where the
+  ids do not add up to each text's bytes (an added token that strips the whitespace beside it) or,
+  under NFC, a text that is not NFC already: that batch.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ class TokenStarts:
             self.nbytes = self._lengths(backend)
 
     def _why_not(self, backend) -> str | None:
+        model = backend.model
+        if type(model).__name__ != "BPE":
+            return f"model {type(model).__name__}"
+        if model.continuing_subword_prefix or model.end_of_word_suffix:
+            return "BPE tokens carry a subword prefix or word suffix"
         normalizer = _state(backend.normalizer)
         if normalizer is not None and normalizer["type"] != "NFC":
             return f"normalizer {normalizer['type']}"

@@ -1,8 +1,8 @@
 """Token starts from the ids (``neuron_parallel.token_starts``) give the masks the offsets give:
 on texts with multi-byte characters, special tokens, whitespace runs and random spans, for the
 byte-level tokenizer as the Llama 3 family configures it, under NFC as Qwen2's does, and where
-the ids cannot tell (offsets trimmed, a prefix space, an added token that strips whitespace, a
-text that NFC would change) through the offsets."""
+the ids cannot tell (offsets trimmed, a prefix space, a word suffix, an added token that strips
+whitespace, a text that NFC would change) through the offsets."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def _variant(tiny_world, change: str) -> Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     elif change == "lowercase":
         backend.normalizer = normalizers.Lowercase()
+    elif change == "word suffix":
+        backend.model.end_of_word_suffix = "</w>"
     elif change == "stripping added token":
         backend.add_special_tokens([AddedToken("<|strip|>", lstrip=True, rstrip=True)])
     return backend
@@ -103,6 +105,7 @@ def test_under_nfc_a_text_nfc_would_change_takes_the_offsets(tiny_world):
         ("trimmed offsets", "post-processor trims offsets"),
         ("prefix space", "prefix space"),
         ("lowercase", "normalizer Lowercase"),
+        ("word suffix", "word suffix"),
     ],
 )
 def test_tokenizers_the_ids_cannot_place_take_the_offsets(tiny_world, change, reason):
