@@ -232,8 +232,8 @@ class Encoder:
                 f"the tokenizer in {tokenizer.name_or_path} is a slow one: save it with tokenizer.json"
             )
         self.render = Renderer(data, tokenizer, columns, template) if data.format != "text" else None
-        # The Rust tokenizer itself (what the fast tokenizer's __call__ runs), without the
-        # conversion of every other field of its encodings to Python lists.
+        # Ids and token starts straight from the Rust tokenizer (what the fast tokenizer's
+        # __call__ runs), without turning every field of its encodings into Python lists.
         self.tokens = TokenStarts(tokenizer.backend_tokenizer) if self.render is not None else None
 
     def __call__(self, batch: dict[str, list], indices: list[int]):
