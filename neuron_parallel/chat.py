@@ -37,7 +37,8 @@ PAD = "\n \t"
 EDGES = (None, str.strip, str.lstrip, str.rstrip)
 """What a template may do to the edges of a content: keep them, or strip whitespace (both, left, right)."""
 PROBE = 8
-"""Conversations of the first batch whose cuts are rendered as well, to check the layouts."""
+"""Conversations of the first batch rendered the slow way as well, to check the compiled template's
+renderings and the layouts' cuts."""
 MAX_LAYOUTS = 4096
 
 
@@ -60,7 +61,7 @@ class ChatRenderer:
         fast = self._render_fast(conversations, generation) if all(conversations) else None
         if fast is not None:
             return fast
-        kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
+        kw = self._template_kw(generation)
         try:
             return self.tokenizer.apply_chat_template(conversations, **kw)
         except Exception:
@@ -88,10 +89,10 @@ class ChatRenderer:
             except Exception:
                 self._compiled = False
                 return None
-            probe = conversations[:8]
-            kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
+            probe = conversations[:PROBE]
             try:
-                same = self.tokenizer.apply_chat_template(probe, **kw) == self._fast(probe, generation)
+                slow = self.tokenizer.apply_chat_template(probe, **self._template_kw(generation))
+                same = slow == self._fast(probe, generation)
             except Exception:
                 same = False
             if not same:
@@ -115,8 +116,12 @@ class ChatRenderer:
         """One rendering by the path :meth:`render` takes, exceptions raised as they come."""
         if messages and self._compiled:
             return self._fast([messages], generation)[0]
-        kw = dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
-        return self.tokenizer.apply_chat_template([messages], **kw)[0]  # a batch of one: [] is a conversation
+        # A batch of one: [] is a conversation.
+        return self.tokenizer.apply_chat_template([messages], **self._template_kw(generation))[0]
+
+    def _template_kw(self, generation: bool) -> dict:
+        """``apply_chat_template``'s arguments for a rendering to text with this template."""
+        return dict(tokenize=False, chat_template=self.template, add_generation_prompt=generation)
 
     def cut_lengths(
         self, conversations: list[list[dict]], texts: list[str], cuts: list[list[tuple[int, bool]]]
