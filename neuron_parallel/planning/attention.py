@@ -111,8 +111,7 @@ def attention_bytes(
     flash kernel on whole rows: ``layer``, kept for backward by every layer whose activations are
     kept; ``mask``, kept once per microbatch by a stage's layers until its backward; ``work``,
     live during one layer's backward (for micro-batches of ``rows`` rows, which may share a
-    mask). ``mask_shared``: bytes of one mask the micro-batch's rows share (under cp, rows
-    without ``documents``), kept like ``mask``."""
+    mask)."""
     if path not in PATHS:
         raise ValueError(f"no attention path {path!r}; one of {PATHS}")
     q = shape.num_heads * shape.head_dim / tp
@@ -122,8 +121,8 @@ def attention_bytes(
         work = blocked_work(shape, tp, seq_len, st, path, cp, documents, rows) - mlp_freed
         # the gathered K/V instead of the local ones; no log-sum-exp kept
         layer = 2 * (cp - 1) * kv * st.act - 4 * shape.num_heads / tp
-        return {"layer": layer, "mask": 0.0, "mask_shared": 0.0, "work": max(0.0, work)}
-    none = {"layer": 0.0, "mask": 0.0, "mask_shared": 0.0, "work": 0.0}
+        return {"layer": layer, "mask": 0.0, "work": max(0.0, work)}
+    none = {"layer": 0.0, "mask": 0.0, "work": 0.0}
     if cp > 1:
         if path != "flex":
             raise ValueError(

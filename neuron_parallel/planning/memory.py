@@ -348,7 +348,6 @@ def _rank_activations(
         saved = sum(1 for j in range(n) if not (recompute and j % recompute == 0))
         chunk.append(
             tokens * (saved * per_layer + (n - saved) * h * st.resid / seq + attention["mask"])
-            + attention["mask_shared"]
             - (boundary if sid else 0)
             + saved * layer_weights
         )
