@@ -16,10 +16,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.context import BlockedMask, ContextMask, ContextShard, blocked_attention
+from ..parallel.context import (
+    BlockedMask,
+    ContextMask,
+    ContextShard,
+    allowed_block_mask,
+    allowed_mask,
+    blocked_attention,
+    document_ids,
+)
 from ..parallel.dtensor import local, local_view
 from ..planning.attention import LOSS_CHUNK_BYTES, loss_chunk_tokens
 
@@ -251,25 +259,19 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     ``i`` sees key ``j`` when ``j <= i`` and both lie in the same document, a document starting
     wherever the position id is 0. An explicit mask for scaled-dot-product attention runs on
     every device (cpu, cuda, neuron); variable-length kernels do not, and torch-neuronx runs its
-    NKI flash attention kernel only without a mask (AWS Neuron documentation, TorchNeuron)."""
-    doc = (positions == 0).cumsum(-1)
+    NKI flash attention kernel only without a mask (AWS Neuron documentation, TorchNeuron).
+    :func:`~neuron_parallel.parallel.context.allowed_mask` of every query of the row."""
     seq = positions.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
-    return ((doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal).unsqueeze(1)
+    return allowed_mask(torch.arange(seq, device=positions.device), seq, document_ids(positions))
 
 
 def document_block_mask(positions: torch.Tensor) -> BlockMask:
     """:func:`document_causal_mask` as a FlexAttention ``BlockMask``: per block of query and key
     positions, whether it is empty, full or partial, and the mask function for partial blocks,
-    so attention skips the empty blocks and no S×S tensor exists (built compiled on CUDA)."""
-    doc = (positions == 0).cumsum(-1)
-
-    def same_document_causal(b, h, q, kv):
-        return (doc[b, q] == doc[b, kv]) & (kv <= q)
-
-    batch, seq = positions.shape
-    cuda = positions.device.type == "cuda"
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=positions.device, _compile=cuda)
+    so attention skips the empty blocks and no S×S tensor exists (built compiled on CUDA):
+    :func:`~neuron_parallel.parallel.context.allowed_block_mask` of every query of the row."""
+    seq = positions.shape[-1]
+    return allowed_block_mask(torch.arange(seq, device=positions.device), seq, document_ids(positions))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -95,9 +95,10 @@ def test_documents_number_from_the_whole_row():
 def test_each_shards_mask_is_the_full_rows_mask_at_its_queries(cp):
     seq = 16 * cp
     positions = torch.from_numpy(packed_positions(3, seq, seed=cp))
-    full = document_causal_mask(positions)
     documents = document_ids(positions)
-    assert not full.all()
+    # The whole rows' mask by its definition: same document and key not after query.
+    full = ((documents[:, :, None] == documents[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril())[:, None]
+    assert torch.equal(document_causal_mask(positions), full) and not full.all()
     for r in range(cp):
         index = torch.from_numpy(shard_index(seq, cp, r))
         assert torch.equal(allowed_mask(index, seq, documents), full[:, :, index])
