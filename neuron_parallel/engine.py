@@ -76,7 +76,7 @@ class Engine:
         )
         self.grad_reducer = None
         if self.dims.dp_cp > 1:
-            self.grad_reducer = GradReducer(self.parameters(), self.dims.group("dp_cp"), self.dims.dp_cp, average=False)
+            self.grad_reducer = GradReducer(self.parameters(), self.dims.group("dp_cp"), self.dims.dp_cp)
 
     @property
     def tied(self) -> bool:
@@ -274,9 +274,10 @@ class Engine:
         return (*args, batch.sequence_ids, reference)
 
     def reduce_and_clip(self) -> torch.Tensor:
-        """Make gradients whole: finish the dp × cp average started during the last backward,
+        """Make gradients whole: finish the dp × cp sum started during the last backward (of
+        losses already divided by the global batch's count: the mean gradient),
         align TP placements, sum tied embeddings across pipeline stages; then clip by the global
-        norm and return it (a 0-d tensor: nothing here waits for the host). The dp × cp average of
+        norm and return it (a 0-d tensor: nothing here waits for the host). The dp × cp sum of
         local shards commutes with the other two, both sums; after it every dp and cp rank holds
         the same gradients, so the norm needs no reduction over them.
 

@@ -55,8 +55,8 @@ KV heads, head_dim d, e bytes per element of the compute dtype):
 
 Loss and gradients: each cp rank's loss is the sum over its own positions, normalised by the
 labelled positions of the whole global batch; the gradients of every replicated parameter are
-summed over cp (and averaged over dp) by the gradient reduction over the dp × cp group
-(``neuron_parallel.engine``). Preference objectives sum each completion's log-probabilities over
+summed over the dp × cp group by the gradient reduction (``neuron_parallel.engine``), which makes
+them the gradient of the global mean. Preference objectives sum each completion's log-probabilities over
 the cp shards first (:meth:`ContextShard.sum`).
 """
 

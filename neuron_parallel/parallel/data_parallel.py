@@ -1,4 +1,4 @@
-"""Data-parallel gradient reduction (sum or average), overlapped with backward.
+"""Data-parallel gradient reduction, a sum, overlapped with backward.
 
 :class:`GradReducer` lays this rank's gradients (the local shards of DTensor ones) out in flat
 buckets of about ``bucket_bytes``, in reverse parameter order (roughly the order backward
@@ -13,9 +13,9 @@ parameter's ``.grad`` becomes a view into it: the flat copy replaces the gradien
 doubling it, and nothing is copied back. :meth:`GradReducer.finish` starts whatever the hooks did
 not (a parameter left without a gradient contributes zeros; a schedule that accumulates weight
 gradients by hand, as zbv's split backward does, fires no hook) and waits for every bucket.
-The reduction is a sum; with ``average=True`` it is divided by dp afterwards (gloo has no AVG
-reduction). A caller that already scales each rank's loss by 1 / (the whole batch's count), as
-the training step does, needs only the sum, and saves that pass over the gradients.
+The reduction is a sum: the training step divides each rank's loss by the whole global batch's
+count (``neuron_parallel.train.LOSS_RULE``), so the sum is the mean gradient, with no pass over
+the gradients to divide them by dp (gloo has no AVG reduction either).
 
 Collectives: one all-reduce per bucket on the dp group, about ``gradient bytes / bucket_bytes``
 of them, whatever the number of parameters; the gradient bytes are reduced once.
@@ -62,8 +62,8 @@ def plan_buckets(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter
 
 class GradReducer:
     """Sums the gradients of ``params`` over ``group`` (``world`` ranks), bucket by bucket as
-    backward finishes them, and with ``average`` divides them by ``world`` (see the module
-    docstring). ``hooks=False`` registers no hook: :meth:`finish` then reduces everything at once."""
+    backward finishes them (see the module docstring). ``hooks=False`` registers no hook:
+    :meth:`finish` then reduces everything at once."""
 
     def __init__(
         self,
@@ -73,15 +73,14 @@ class GradReducer:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         hooks: bool = True,
-        average: bool = True,
     ) -> None:
-        self.group, self.world, self.average = group, world, average
+        self.group, self.world = group, world
         self.buckets = plan_buckets([p for p in params if p.requires_grad], bucket_bytes)
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._expected = 0  # backward passes per parameter still to come; 0: not armed
         self._counts: dict[int, int] = {}
         self._ready = [0] * len(self.buckets)
-        self._inflight: list[tuple[dist.Work | None, torch.Tensor]] = []
+        self._inflight: list[dist.Work | None] = []  # one per bucket started, in order
         self._flats: dict[int, torch.Tensor] = {}
         """Each bucket's flat buffer, kept from step to step: a new one every step would be fresh
         memory the allocator maps and the kernel zeroes page by page, a cost of the size of
@@ -129,19 +128,17 @@ class GradReducer:
         for p, s, view in zip(bucket, shards, flat.split([s.numel() for s in shards])):
             p.grad = with_local(p.grad if p.grad is not None else p, view.view_as(s))
         work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
-        self._inflight.append((work, flat))
+        self._inflight.append(work)
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Start the buckets not started yet, wait for all, divide by dp where averaging.
-        Afterwards every parameter's gradient is the dp sum or average (a view into its bucket)."""
+        """Start the buckets not started yet and wait for all. Afterwards every parameter's
+        gradient is the dp sum (a view into its bucket)."""
         while len(self._inflight) < len(self.buckets):
             self._launch(len(self._inflight))
-        for work, flat in self._inflight:
+        for work in self._inflight:
             if work is not None:
                 work.wait()
-                if self.average:
-                    flat.div_(self.world)
         self._inflight = []
         self._expected = 0
 

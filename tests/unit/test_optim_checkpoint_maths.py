@@ -47,19 +47,21 @@ def test_clip_grad_norm_matches_torch(max_norm):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_grad_reducer_averages_through_small_buckets(world_of_one):
-    """With world=2 passed on a group of one, the reducer's bucketed sum-then-divide (no hooks:
-    every bucket at ``finish``) halves every gradient: a tiny bucket cap forces several buckets,
-    and every element comes back in its own place. With world=1 nothing is divided."""
+def test_grad_reducer_sums_through_small_buckets(world_of_one):
+    """On a group of one the reducer's bucketed sum (no hooks: every bucket at ``finish``) is the
+    gradient itself: a tiny bucket cap forces several buckets, every element comes back in its
+    own place, and each gradient is then a view into its bucket's flat buffer."""
     ps = _params()
     before = [p.grad.clone() for p in ps]
     reducer = GradReducer(ps, world_of_one, 2, bucket_bytes=64, hooks=False)
     assert len(reducer.buckets) == 3
     reducer.finish()
     for p, b in zip(ps, before):
-        assert torch.equal(p.grad, b / 2)
-    GradReducer(ps, world_of_one, 1, hooks=False).finish()  # world 1: untouched
-    assert all(torch.equal(p.grad, b / 2) for p, b in zip(ps, before))
+        assert torch.equal(p.grad, b)
+    for bucket in reducer.buckets:
+        storages = {p.grad.untyped_storage().data_ptr() for p in bucket}
+        assert len(storages) == 1  # one flat buffer per bucket
+    assert len({p.grad.untyped_storage().data_ptr() for p in ps}) == 3
 
 
 def test_zero1_equals_adamw_bit_for_bit(world_of_one):
