@@ -31,9 +31,10 @@ def chatml_rows(tiny_world: dict, cache_dir, block_size: int):
     return tokenize_data(data, tiny_world["model"])
 
 
-def train_rows(run_dir, model: str, rows, *, world: int, block_size: int, parallel, train: dict):
+def train_rows(run_dir, model: str, rows, *, world: int, block_size: int, parallel, train: dict, hooks=()):
     """Train ``model`` on tokenized ``rows`` (their eval rows too) through torchrun in ``run_dir``
-    and require success: the run's metrics and the torchrun result."""
+    and require success (``hooks``: checkpoint hooks, as ``torchrun`` takes them): the run's metrics
+    and the torchrun result."""
     from ..conftest import read_metrics, torchrun, write_job
 
     job = write_job(
@@ -46,6 +47,6 @@ def train_rows(run_dir, model: str, rows, *, world: int, block_size: int, parall
         parallel=parallel,
         train=train,
     )
-    proc = torchrun(job, world, timeout=400)
+    proc = torchrun(job, world, timeout=400, hooks=hooks)
     assert proc.returncode == 0, proc.tail()
     return read_metrics(run_dir), proc

@@ -9,14 +9,13 @@ from safetensors.torch import load_file
 
 from neuron_parallel.checkpoint import export_checkpoint, is_complete, list_checkpoints
 from neuron_parallel.testing.ranks import run_ranks
-from neuron_parallel.train import FAIL_AFTER_ENV
 
 from ..conftest import ROOT, kill_9_once, read_metrics, torchrun, write_job
 from ..unit.test_reporting import tensorboard_scalars
 
 
 def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tiny_dataset, tmp_path):
-    train = dict(max_steps=40, save_every=10, keep_checkpoints=2, micro_batch_size=4, lr=2e-3, warmup_steps=2)
+    train = dict(max_steps=20, save_every=5, keep_checkpoints=2, micro_batch_size=4, lr=2e-3, warmup_steps=2)
     ref_job = write_job(tmp_path / "ref", tiny_world["model"], tiny_dataset.path, world=2, train=train)
     job = write_job(
         tmp_path / "run", tiny_world["model"], tiny_dataset.path, world=2, train=dict(train, async_save=True)
@@ -25,14 +24,14 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     killed = run_ranks("neuron_parallel.train", 2, [str(job)], cwd=ROOT, on_start=kill)
     assert killed.returncode != 0, killed.tail()
     done = [c for c in list_checkpoints(tmp_path / "run") if is_complete(c)]
-    assert done and done[-1].name != "checkpoint-40"
+    assert done and done[-1].name != "checkpoint-20"
 
     resumed = torchrun(job, 2)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f'"event": "resumed", "step": {int(done[-1].name.split("-")[1])}' in resumed.stdout
     assert torchrun(ref_job, 2).returncode == 0
     ours, ref = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
-    assert [m["step"] for m in ours] == list(range(1, 41))
+    assert [m["step"] for m in ours] == list(range(1, 21))
     assert [m["loss"] for m in ours[10:]] == [m["loss"] for m in ref[10:]]
     # Steps the killed run logged past its checkpoint are purged: one loss per step, as in metrics.jsonl.
     losses = tensorboard_scalars(tmp_path / "run", "train/loss")
@@ -40,7 +39,7 @@ def test_kill_9_after_checkpoint_10_then_resume_is_bit_identical(tiny_world, tin
     a = load_file(export_checkpoint(tmp_path / "run", tmp_path / "a") / "model.safetensors")
     b = load_file(export_checkpoint(tmp_path / "ref", tmp_path / "b") / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-30", "checkpoint-40"]
+    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["checkpoint-15", "checkpoint-20"]
 
 
 @pytest.mark.slow
@@ -50,13 +49,13 @@ def test_tp2_pp2_checkpoint_resumes_on_other_topologies(tiny_world, tiny_dataset
     model, data = tiny_world["model"], tiny_dataset.path
     ref = write_job(tmp_path / "ref", model, data, world=4, parallel=layout, train=dict(base, micro_batch_size=8))
     assert torchrun(ref, 4).returncode == 0
-    crashed = write_job(tmp_path / "crash", model, data, world=4, parallel=layout, train=dict(base, micro_batch_size=8))
-    assert torchrun(crashed, 4, env={FAIL_AFTER_ENV: "3"}).returncode != 0
-    assert [c.name for c in list_checkpoints(tmp_path / "crash")] == ["checkpoint-3"]
+    assert [c.name for c in list_checkpoints(tmp_path / "ref")] == ["checkpoint-3", "checkpoint-6"]
+    # The uninterrupted run's folder without its last checkpoint is the folder a crash after step 3
+    # leaves (the crash itself: test_train's and the kill -9 tests).
     expected = read_metrics(tmp_path / "ref")
     for name, world, parallel, mbs in (("tp1pp1", 1, {}, 8), ("dp4", 4, dict(zero_1=True), 2)):
         run = tmp_path / name
-        shutil.copytree(tmp_path / "crash", run)
+        shutil.copytree(tmp_path / "ref", run, ignore=shutil.ignore_patterns("checkpoint-6"))
         job = write_job(run, model, data, world=world, parallel=parallel, train=dict(base, micro_batch_size=mbs))
         proc = torchrun(job, world)
         assert proc.returncode == 0, proc.stderr[-4000:]
