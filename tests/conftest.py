@@ -42,7 +42,7 @@ so every process a test starts (CLI commands, services, ranks) uses it too; remo
 atexit.register(shutil.rmtree, HF_CACHES, ignore_errors=True)
 
 
-def _port_outside_the_ephemeral_range() -> int:
+def port_outside_the_ephemeral_range() -> int:
     """A free loopback port below the range the kernel hands out to ``bind(("", 0))`` and to
     outgoing connections, so nothing else of the session takes it between now and its use."""
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -58,7 +58,7 @@ def _port_outside_the_ephemeral_range() -> int:
     raise RuntimeError(f"no free port below {low} for the Hub stand-in")
 
 
-HUB_PORT = _port_outside_the_ephemeral_range()
+HUB_PORT = port_outside_the_ephemeral_range()
 """The port of the Hub stand-in (``tests/hub_server.py``, ``LocalHub(..., port=HUB_PORT)``) of the
 tests that run the pipeline against it: the one loopback Hub this session's operator allows."""
 UNREACHABLE_HUB = "https://127.0.0.1:9"

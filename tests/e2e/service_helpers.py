@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from neuron_parallel.procs import (
     die_with_parent,
 )
 
-from ..conftest import ROOT
+from ..conftest import ROOT, port_outside_the_ephemeral_range
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -41,9 +40,9 @@ class Service:
     """A `neuron-flows serve` subprocess and a small client of its REST API."""
 
     def __init__(self, home: Path, extra_env: dict[str, str] | None = None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        # Below the ephemeral range: a port bind(("", 0)) hands out can be taken by an outgoing
+        # connection (a rank's, a client's) before the server binds it.
+        self.port = port_outside_the_ephemeral_range()
         self.ui = f"http://127.0.0.1:{self.port}"
         self.api = f"{self.ui}/api"
         self.home = home
