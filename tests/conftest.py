@@ -55,7 +55,7 @@ def port_outside_the_ephemeral_range() -> int:
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"no free port below {low} for the Hub stand-in")
+    raise RuntimeError(f"no free loopback port below {low}")
 
 
 HUB_PORT = port_outside_the_ephemeral_range()
@@ -232,6 +232,15 @@ def kill_9_once(path: Path, timeout_s: float = 240):
             os.kill(pid, signal.SIGKILL)
 
     return kill
+
+
+def copy_as_a_crash_leaves_it(run_dir: Path, dest: Path) -> Path:
+    """``run_dir`` copied to ``dest`` without its newest checkpoint: the folder a run that crashed
+    after its previous checkpoint leaves (the resume truncates ``metrics.jsonl`` past that step)."""
+    from neuron_parallel.checkpoint import list_checkpoints
+
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(list_checkpoints(run_dir)[-1].name))
+    return dest
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -11,7 +11,6 @@ AdamW divides by the root of the second moment, so for A (whose gradient is exac
 """
 
 import os
-import shutil
 import signal
 import time
 
@@ -22,7 +21,7 @@ from neuron_parallel.checkpoint import CheckpointTensors, is_complete, list_chec
 from neuron_parallel.procs import process_tree
 from neuron_parallel.testing.ranks import run_ranks
 
-from ..conftest import ROOT, max_rel_diff, read_metrics, torchrun, write_job
+from ..conftest import ROOT, copy_as_a_crash_leaves_it, max_rel_diff, read_metrics, torchrun, write_job
 from .dist_lora_check import HOOK
 
 LORA = dict(r=4, alpha=8.0)
@@ -117,8 +116,7 @@ def test_a_tp2_lora_checkpoint_resumes_at_tp1(tiny_world, tiny_dataset, tmp_path
     ref = write_job(tmp_path / "ref", model, data, world=2, parallel=layout, train=train)
     assert torchrun(ref, 2).returncode == 0
     assert [c.name for c in list_checkpoints(tmp_path / "ref")] == ["checkpoint-3", "checkpoint-6"]
-    run = tmp_path / "tp1"  # the run's folder as a crash after step 3 leaves it: checkpoint-6 is not copied
-    shutil.copytree(tmp_path / "ref", run, ignore=shutil.ignore_patterns("checkpoint-6"))
+    run = copy_as_a_crash_leaves_it(tmp_path / "ref", tmp_path / "tp1")
     proc = torchrun(write_job(run, model, data, world=1, train=train), 1)
     assert proc.returncode == 0, proc.tail()
     assert [e["step"] for e in proc.events if e["event"] == "resumed"] == [3]

@@ -1,8 +1,6 @@
 """Checkpoints that never lose work: kill -9 mid-run and resume bit-exactly (asynchronous save),
 and resume a tp2×pp2 checkpoint on other topologies."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,7 +8,7 @@ from safetensors.torch import load_file
 from neuron_parallel.checkpoint import export_checkpoint, is_complete, list_checkpoints
 from neuron_parallel.testing.ranks import run_ranks
 
-from ..conftest import ROOT, kill_9_once, read_metrics, torchrun, write_job
+from ..conftest import ROOT, copy_as_a_crash_leaves_it, kill_9_once, read_metrics, torchrun, write_job
 from ..unit.test_reporting import tensorboard_scalars
 
 
@@ -50,12 +48,10 @@ def test_tp2_pp2_checkpoint_resumes_on_other_topologies(tiny_world, tiny_dataset
     ref = write_job(tmp_path / "ref", model, data, world=4, parallel=layout, train=dict(base, micro_batch_size=8))
     assert torchrun(ref, 4).returncode == 0
     assert [c.name for c in list_checkpoints(tmp_path / "ref")] == ["checkpoint-3", "checkpoint-6"]
-    # The uninterrupted run's folder without its last checkpoint is the folder a crash after step 3
-    # leaves (the crash itself: test_train's and the kill -9 tests).
+    # The crash itself: test_train's and the kill -9 tests.
     expected = read_metrics(tmp_path / "ref")
     for name, world, parallel, mbs in (("tp1pp1", 1, {}, 8), ("dp4", 4, dict(zero_1=True), 2)):
-        run = tmp_path / name
-        shutil.copytree(tmp_path / "ref", run, ignore=shutil.ignore_patterns("checkpoint-6"))
+        run = copy_as_a_crash_leaves_it(tmp_path / "ref", tmp_path / name)
         job = write_job(run, model, data, world=world, parallel=parallel, train=dict(base, micro_batch_size=mbs))
         proc = torchrun(job, world)
         assert proc.returncode == 0, proc.stderr[-4000:]

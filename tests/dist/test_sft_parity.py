@@ -47,8 +47,9 @@ def _run(run_dir, world, parallel, mbs, model, rows, lora=False):
     metrics, proc = train_rows(
         run_dir, model, rows, world=world, block_size=BLOCK, parallel=parallel, train=train, hooks=hooks
     )
-    for x in proc.results if lora else ():
-        assert x["checked"] > 0 and x["changed"] == [] and x["all_adapters"], x  # the base is frozen, bit for bit
+    if lora:
+        for x in proc.results:
+            assert x["checked"] > 0 and x["changed"] == [] and x["all_adapters"], x  # the base is frozen, bit for bit
     return metrics
 
 
