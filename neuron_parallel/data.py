@@ -234,8 +234,32 @@ def _load_raw(source: str | list[str], split: str, config: str | None = None, hu
         )
     files = local_data_files(source)
     builder = _BUILDERS[files[0].suffix]
+    if builder == "json" and sum(f.stat().st_size for f in files) < POOL_MIN_BYTES:
+        rows = _json_lines(files)
+        if rows is not None:
+            return rows
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+
+
+def _json_lines(files: list[Path]):
+    """The rows of the JSON Lines ``files`` as one in-memory ``Dataset``, read by pyarrow's JSON
+    reader (the one ``datasets``' JSON loader calls), or None where it refuses them: not JSON
+    Lines (a JSON array), a field whose type changes between rows, files of different columns.
+    ``load_dataset`` handles those; for the rest it builds the same table, but first parses every
+    line of the first 10 MB again in Python to look for such fields, and writes an Arrow copy to
+    its cache: about ten times pyarrow's own time (measured on 5 MB of chat JSONL, single-core
+    work of 0.17 s against 0.02 s). Sources this small are encoded in one process
+    (``POOL_MIN_BYTES``), so the rows need no file for workers to map."""
+    import pyarrow as pa
+    import pyarrow.json as paj
+    from datasets import Dataset
+
+    try:
+        table = pa.concat_tables([paj.read_json(str(f)) for f in files])
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+    return Dataset(table)
 
 
 def _load_repo(repo: str, split: str, config: str | None, shown: str | None = None):

@@ -85,38 +85,82 @@ def _greedy(lengths: np.ndarray, block_size: int, one_per_row: bool) -> tuple[np
     return rows, cols
 
 
+def index_dtype(*sizes: int) -> type:
+    """int32 for indices into (and values of) arrays of at most ``sizes`` elements, where they fit
+    with room for the sums of two; else int64. Half the memory of int64 to write and read."""
+    return np.int32 if max(sizes, default=0) < 1 << 30 else np.int64
+
+
+def segments(starts: np.ndarray, firsts: np.ndarray, total: int, *, step: int, dtype) -> np.ndarray:
+    """``total`` values in segments: segment k runs from ``starts[k]`` up to the next start (the last
+    to ``total``) and holds ``firsts[k]``, ``firsts[k] + step``, ``firsts[k] + 2 * step``, ... (step
+    1: a ramp, as positions or source indices; step 0: a constant). ``starts`` increase strictly
+    from 0. One prefix sum over one array of the result's size: rows are built from these instead
+    of per-token index arrays, because every array a batch touches for the first time costs the
+    page faults of its memory, which on a small host took longer than the arithmetic (the
+    tokenization benchmark's profile)."""
+    out = np.full(total, step, dtype=dtype)
+    if total:
+        ends = np.append(starts[1:], total)
+        lasts = firsts + step * (ends - starts - 1)
+        out[starts[0]] = firsts[0]
+        out[starts[1:]] = firsts[1:] - lasts[:-1]
+        np.add.accumulate(out, out=out)
+    return out
+
+
+def padding_segments(row: np.ndarray, used: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(where, rows)``: the flat start of each row's padding, for the rows not full."""
+    short = np.flatnonzero(used < block_size)
+    return short * block_size + used[short], short
+
+
+def in_order(starts: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
+    """``starts`` and ``columns`` (one value per segment) sorted by start."""
+    order = np.argsort(starts, kind="stable")
+    return [starts[order], *(c[order] for c in columns)]
+
+
 def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: bool, one_per_row: bool) -> pa.Table:
     """Rows of whole documents with their own positions (see the module docstring) from a batch
-    of ``ids`` and ``trained`` lists."""
+    of ``ids`` and ``trained`` lists. The rows are read from the flat ids through one source
+    index per position (:func:`segments`); a row's padding reads a sentinel index past the ids."""
     ids, offsets = _flat(table, "ids")
     # Text trains every token and carries no ``trained`` column.
-    trained = _flat(table, "trained")[0] if "trained" in table.column_names else np.ones(len(ids), dtype=np.int8)
+    trained = _flat(table, "trained")[0] if "trained" in table.column_names else None
     example, start, length, truncated = _pieces(offsets, block_size, split_long)
-    # A token is a target when it is trained and not the first of its piece.
-    tok_piece = np.repeat(np.arange(len(start)), length)
-    tok_src = np.arange(len(tok_piece)) - np.repeat(np.cumsum(length) - length, length) + start[tok_piece]
-    first = tok_src == start[tok_piece]
-    is_target = (trained[tok_src] != 0) & ~first
-    targets = np.bincount(tok_piece, weights=is_target, minlength=len(start)).astype(np.int64)
+    # A piece's targets: its tokens after the first that are trained (a running count of them).
+    n = len(ids)
+    if trained is None:
+        targets = np.maximum(length - 1, 0)
+    else:
+        counted = np.zeros(n + 1, dtype=index_dtype(n))
+        np.cumsum(trained, dtype=counted.dtype, out=counted[1:])
+        targets = np.where(length > 0, counted[start + length] - counted[np.minimum(start + 1, n)], 0)
 
     keep = targets > 0  # a piece with nothing to predict carries no loss
     example, start, length, truncated, targets = (a[keep] for a in (example, start, length, truncated, targets))
     row, col = _greedy(length, block_size, one_per_row)
     num_rows = int(row[-1]) + 1 if len(row) else 0
-
-    tok = np.repeat(np.arange(len(start)), length)
-    pos = np.arange(len(tok)) - np.repeat(np.cumsum(length) - length, length)
-    src = start[tok] + pos
-    dest = row[tok] * block_size + col[tok] + pos
-    nxt = np.minimum(src + 1, len(ids) - 1)
-    label = np.where((pos < length[tok] - 1) & (trained[nxt] != 0), ids[nxt], IGNORE)
-
+    total = num_rows * block_size
     used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
-    columns = np.arange(block_size, dtype=np.int32)
-    input_ids = np.full(num_rows * block_size, pad_id, dtype=np.int32)  # the rows' own dtype: no copy to convert
-    labels = np.full(num_rows * block_size, IGNORE, dtype=np.int32)
-    positions = np.maximum(columns[None, :] - used[:, None].astype(np.int32), 0).reshape(-1)  # padding counts from 0
-    input_ids[dest], labels[dest], positions[dest] = ids[src], label, pos
+
+    # Segments of the rows: the pieces, then each row's padding, reading from index n on.
+    pad_at, _ = padding_segments(row, used, block_size)
+    at, first = in_order(np.r_[row * block_size + col, pad_at], np.r_[start, np.full(len(pad_at), n)])
+    dtype = index_dtype(n + block_size, total)
+    src = segments(at, first, total, step=1, dtype=dtype)
+    positions = segments(at, np.zeros_like(at), total, step=1, dtype=np.int32)  # padding counts from 0 too
+    padding = src >= n
+    input_ids = ids.take(src, mode="clip")
+    np.copyto(input_ids, pad_id, where=padding)
+    # labels[t] = the token at t + 1 when it continues t's piece and is trained.
+    target = positions[1:] > 0
+    target &= ~padding[1:]
+    if trained is not None:
+        target &= trained.take(src[1:], mode="clip") != 0
+    labels = np.full(total, IGNORE, dtype=np.int32)
+    np.copyto(labels[:-1], input_ids[1:], where=target)
 
     # An example counts as kept in the row holding its first kept piece.
     first_piece = np.r_[True, example[1:] != example[:-1]] if len(example) else np.zeros(0, dtype=bool)

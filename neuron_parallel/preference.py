@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DataConfig, PreferenceConfig
-from .token_starts import encode_ids, id_lists
+from .token_starts import encode_ids, id_lists, overlapped
 
 IGNORE = -100
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
@@ -105,11 +105,23 @@ class PairEncoder:
     def _pairs(self, batch: dict[str, list], indices: list[int]):
         import pyarrow as pa
 
-        c, tok = self.columns, self.tokenizer
-        texts: list = [None] * len(indices)
+        backend = self.tokenizer.backend_tokenizer
+        tables = overlapped(
+            len(indices),
+            lambda a, b: self._texts(batch, indices, a, b),
+            lambda texts: encode_ids(backend, [t[k] for k in range(3) for t in texts[0]]),  # one call: one dispatch
+            lambda texts, every: pa.table(self._columns(*texts, every)),
+        )
+        return pa.concat_tables(tables)
+
+    def _texts(self, batch: dict[str, list], indices: list[int], a: int, b: int) -> tuple[list, np.ndarray]:
+        """The ``(prompt, chosen, rejected)`` texts of examples ``a`` to ``b`` of the batch, and
+        which of them are string pairs (TRL's ``tokenize_row``), the others rendered chats."""
+        c = self.columns
+        texts: list = [None] * (b - a)
         chats: list[tuple[int, list[dict], list[dict], list[dict], str]] = []
-        for j, i in enumerate(indices):
-            where = f"{self.where} row {i}"
+        for j in range(a, b):
+            where = f"{self.where} row {indices[j]}"
             prompt = batch[c["prompt"]][j]
             chosen, rejected = batch[c["chosen"]][j], batch[c["rejected"]][j]
             for role, value in (("chosen", chosen), ("rejected", rejected)):
@@ -119,31 +131,35 @@ class PairEncoder:
                         f"non-empty chosen and rejected completion: fix or remove the row"
                     )
             if isinstance(prompt, list):
-                chats.append((j, *self._chat_pair(prompt, chosen, rejected, where), where))
+                chats.append((j - a, *self._chat_pair(prompt, chosen, rejected, where), where))
             elif isinstance(prompt, str | None) and isinstance(chosen, str) and isinstance(rejected, str):
-                texts[j] = (prompt or "", chosen, rejected)
+                texts[j - a] = (prompt or "", chosen, rejected)
             else:
                 raise ValueError(
                     f"{where}: a pair's prompt, chosen and rejected values must be strings, or chat message lists "
                     f"(the prompt a list of messages); got {type(prompt).__name__}, {type(chosen).__name__}, "
                     f"{type(rejected).__name__}: fix the data"
                 )
-        plain = np.asarray([t is not None for t in texts], dtype=bool)  # TRL's tokenize_row for string pairs
+        plain = np.asarray([t is not None for t in texts], dtype=bool)
         if chats:
             split = self.chat.split_pairs([c[1:4] for c in chats], [c[4] for c in chats])
             for (j, *_), rendered in zip(chats, split):
                 texts[j] = rendered
+        return texts, plain
+
+    def _columns(self, texts: list, plain: np.ndarray, every: list) -> dict:
+        """The ``prompt``, ``chosen`` and ``rejected`` id lists of ``texts`` from their encodings
+        ``every`` (every prompt, then every chosen, then every rejected completion)."""
+        tok, n = self.tokenizer, len(texts)
         bos = tok.bos_token_id
         columns = {}
-        n = len(texts)
-        every = encode_ids(tok.backend_tokenizer, [t[k] for k in range(3) for t in texts])  # one call: one dispatch
         for k, name in enumerate(("prompt", "chosen", "rejected")):
             encodings = every[k * n : (k + 1) * n]
             if k == 0:  # BOS + prompt
                 columns[name] = id_lists(encodings, bos, plain if bos is not None else None, end=False)
             else:  # completion + EOS
                 columns[name] = id_lists(encodings, tok.eos_token_id, plain, end=True)
-        return pa.table(columns)
+        return columns
 
     def _chat_pair(self, prompt: list, chosen: Any, rejected: Any, where: str) -> tuple[list, list, list]:
         """The prompt and each completion as checked message lists (a string completion is one
@@ -183,13 +199,13 @@ def fit_pair(p: int, c: int, r: int, block_size: int) -> int | None:
 
 def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     """Rows of pairs (see the module docstring) from an Arrow batch of ``prompt``, ``chosen`` and
-    ``rejected`` lists, with the count columns of ``neuron_parallel.packing``. Built from flat
-    arrays of the whole batch (as ``packing.document_rows``): each kept pair is four segments,
-    prompt, chosen, prompt, rejected, copied to their places in one gather; only the greedy
-    placement runs per pair. A completion token is the label of the position before it in its
-    document; the first position of a document has none before it (an empty prompt: the first
-    completion token is not predicted)."""
-    from .packing import _flat, _greedy, _table
+    ``rejected`` lists, with the count columns of ``neuron_parallel.packing``. Built as
+    ``packing.document_rows`` builds its rows: each kept pair is four segments, prompt, chosen,
+    prompt, rejected, and every position of the rows reads its token through one source index
+    (``packing.segments``); only the greedy placement runs per pair. A completion token is the
+    label of the position before it in its document; the first position of a document has none
+    before it (an empty prompt: the first completion token is not predicted)."""
+    from .packing import _flat, _greedy, _table, in_order, index_dtype, padding_segments, segments
 
     values, starts, lengths = [], [], []
     for name in ("prompt", "chosen", "rejected"):
@@ -197,46 +213,59 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
         starts.append(offsets[:-1] + sum(len(v) for v in values))  # into the three concatenated
         lengths.append(np.diff(offsets))
         values.append(flat)
-    tokens = np.concatenate(values).astype(np.int32, copy=False)
+    n = sum(len(v) for v in values)
+    tokens = np.concatenate([*values, [pad_id]]).astype(np.int32, copy=False)  # index n: the padding's token
     p, c, r = lengths
     need = 2 * p + c + r  # fit_pair for every pair at once
     cut = np.where(need > block_size, -(-(need - block_size) // 2), 0)
     kept = np.flatnonzero((need <= block_size) | (p - cut >= 1))
     cut, p, c, r = cut[kept], p[kept] - cut[kept], c[kept], r[kept]
-    n = 2 * p + c + r
-    row, col = _greedy(n, block_size, one_per_row)
+    size = 2 * p + c + r
+    row, col = _greedy(size, block_size, one_per_row)
     num_rows = int(row[-1]) + 1 if len(row) else 0
+    total = num_rows * block_size
     first = np.r_[True, row[1:] != row[:-1]] if len(row) else np.zeros(0, dtype=bool)
     slot = np.arange(len(row)) - np.flatnonzero(first)[np.cumsum(first) - 1]  # the pair's place in its row
+    used = np.bincount(row, weights=size, minlength=num_rows).astype(np.int32)
 
-    # Per pair, segments prompt, chosen, prompt, rejected: source start, length, place, position.
+    # Per pair, segments prompt, chosen, prompt, rejected: place, source start, first position
+    # and sequence id (-1 for a prompt); then each row's padding, reading the token at index n.
     at = row * block_size + col
-    zero = np.zeros_like(p)
+    zero, none = np.zeros_like(p), np.full_like(p, -1)
     prompt_src = starts[0][kept] + cut
-    seg_src = np.stack([prompt_src, starts[1][kept], prompt_src, starts[2][kept]], axis=1).reshape(-1)
-    seg_len = np.stack([p, c, p, r], axis=1).reshape(-1)
-    seg_dest = np.stack([at, at + p, at + p + c, at + 2 * p + c], axis=1).reshape(-1)
-    seg_pos = np.stack([zero, p, zero, p], axis=1).reshape(-1)
-    seg = np.repeat(np.arange(len(seg_len)), seg_len)
-    within = np.arange(len(seg)) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)
-    src, dest, pos = seg_src[seg] + within, seg_dest[seg] + within, seg_pos[seg] + within
-
-    used = np.bincount(row, weights=n, minlength=num_rows).astype(np.int32)
-    input_ids = np.full(num_rows * block_size, pad_id, dtype=np.int32)  # the rows' own dtype: no copy to convert
-    labels = np.full(num_rows * block_size, IGNORE, dtype=np.int32)
-    sequence_ids = np.full(num_rows * block_size, -1, dtype=np.int32)
-    columns = np.arange(block_size, dtype=np.int32)
-    positions = np.maximum(columns[None, :] - used[:, None], 0).reshape(-1)  # padding counts from 0
-    input_ids[dest], positions[dest] = tokens[src], pos
-    target = (seg % 2 == 1) & (pos > 0)  # completion tokens with a position before them
-    labels[dest[target] - 1] = tokens[src[target]]
-    pair = seg[target] // 4
-    sequence_ids[dest[target] - 1] = 2 * slot[pair] + (seg[target] % 4 == 3)
+    columns = (
+        (at, at + p, at + p + c, at + 2 * p + c),
+        (prompt_src, starts[1][kept], prompt_src, starts[2][kept]),
+        (zero, p, zero, p),
+        (none, 2 * slot, none, 2 * slot + 1),
+    )
+    seg_at, seg_src, seg_pos, seg_id = (np.stack(cols, axis=1).reshape(-1) for cols in columns)
+    nonempty = np.stack([p, c, p, r], axis=1).reshape(-1) > 0  # an empty prompt has no segment
+    pad_at, _ = padding_segments(row, used, block_size)
+    pads = len(pad_at)
+    seg_at, seg_src, seg_pos, seg_id = in_order(
+        np.r_[seg_at[nonempty], pad_at],
+        np.r_[seg_src[nonempty], np.full(pads, n)],
+        np.r_[seg_pos[nonempty], np.zeros(pads, dtype=seg_pos.dtype)],
+        np.r_[seg_id[nonempty], np.full(pads, -1, dtype=seg_id.dtype)],
+    )
+    src = segments(seg_at, seg_src, total, step=1, dtype=index_dtype(n + block_size, total))
+    np.minimum(src, n, out=src)
+    input_ids = tokens.take(src)
+    positions = segments(seg_at, seg_pos, total, step=1, dtype=np.int32)  # padding counts from 0
+    ids = segments(seg_at, seg_id, total, step=0, dtype=np.int32)
+    # Position t is labelled when t + 1 holds a completion token with a position before it.
+    target = ids[1:] >= 0
+    target &= positions[1:] > 0
+    labels = np.full(total, IGNORE, dtype=np.int32)
+    sequence_ids = np.full(total, -1, dtype=np.int32)
+    np.copyto(labels[:-1], input_ids[1:], where=target)
+    np.copyto(sequence_ids[:-1], ids[1:], where=target)
     counts = {
         "_kept": np.bincount(row, minlength=num_rows),
         "_truncated": np.bincount(row, weights=cut > 0, minlength=num_rows),
         "_tokens": used,
-        "_trained": np.bincount(row[pair], minlength=num_rows),
+        "_trained": np.bincount(row, weights=c + r - 2 * (p == 0), minlength=num_rows),
     }
     rows = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids}
     return _table(block_size, counts, **rows)

@@ -29,6 +29,7 @@ text document longer than a row is instead cut into ``block_size`` pieces, each 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from .chat import ChatRenderer
 from .config import DataConfig
-from .token_starts import TokenStarts, encode_ids, id_lists
+from .token_starts import TokenStarts, encode_ids, id_lists, overlapped
 from .utils import gc_paused
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -241,30 +242,46 @@ class Encoder:
             return self._encode(batch, indices)
 
     def _encode(self, batch: dict[str, list], indices: list[int]):
+        import pyarrow as pa
+
+        backend = self.tokenizer.backend_tokenizer if self.tokenizer.is_fast else None
         if self.render is None:
             texts = batch[self.columns["text"]]
-            if self.tokenizer.is_fast:
-                import pyarrow as pa
-
-                encodings = encode_ids(self.tokenizer.backend_tokenizer, texts)
-                return pa.table({"ids": id_lists(encodings, self.eos, None, end=True)})
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [self.eos] for x in ids]}
+            if backend is None:
+                ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+                return {"ids": [x + [self.eos] for x in ids]}
+            tables = overlapped(
+                len(texts),
+                lambda a, b: texts[a:b],
+                partial(encode_ids, backend),
+                lambda _, encodings: pa.table({"ids": id_lists(encodings, self.eos, None, end=True)}),
+            )
+            return pa.concat_tables(tables)
         rows = [{k: batch[k][i] for k in batch} for i in range(len(indices))]
-        rendered = self.render.batch(rows, [f"{self.where} row {i}" for i in indices])
-        return masked_table(self.tokens, rendered, self.eos)
+        wheres = [f"{self.where} row {i}" for i in indices]
+        tables = overlapped(
+            len(rows),
+            lambda a, b: self.render.batch(rows[a:b], wheres[a:b]),
+            lambda rendered: self.tokens.encode([t for t, _, _ in rendered], [ex for _, ex, _ in rendered]),
+            lambda rendered, encoded: _masked(encoded, rendered, self.eos),
+        )
+        return pa.concat_tables(tables)
 
 
 def masked_table(tokens: TokenStarts, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
     """The ``ids`` and ``trained`` columns (Arrow lists) of examples ``rendered`` as ``(text,
     trained character spans, append EOS)``, tokenized by ``tokens``: a token is trained when its
-    first character lies in one of its example's spans; an appended EOS always is. Built from
-    flat arrays of the whole batch, in one search: each example's positions are counted after
-    those of the examples before it, plus one, so that no position is shared."""
+    first character lies in one of its example's spans; an appended EOS always is."""
+    return _masked(tokens.encode([text for text, _, _ in rendered], [ex for _, ex, _ in rendered]), rendered, eos)
+
+
+def _masked(encoded: tuple, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
+    """:func:`masked_table` of ``rendered`` from its ``TokenStarts.encode``: built from flat arrays
+    of the whole batch, in one search: each example's positions are counted after those of the
+    examples before it, plus one, so that no position is shared."""
     import pyarrow as pa
 
-    texts, char_spans = [text for text, _, _ in rendered], [ex for _, ex, _ in rendered]
-    flat, counts, starts, lengths, unit_spans = tokens.encode(texts, char_spans)
+    flat, counts, starts, lengths, unit_spans = encoded
     base = np.cumsum(lengths + 1) - (lengths + 1)
     spans = [(a + b, e + b) for ex, b in zip(unit_spans, base.tolist()) for a, e in ex]
     trained = in_spans(starts + np.repeat(base, counts), spans)
