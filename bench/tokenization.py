@@ -23,9 +23,11 @@ Cases and what each timed region holds:
   3. preference, pairs packed by document: ``DataConfig(source=pairs.jsonl, format="preference",
      chat_template=<the same>, block_size=B)``.
   - ours: the whole ``tokenize_data(DataConfig(..., cache_dir=<fresh dir>), model_dir,
-    num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (``datasets``),
-    rendering and masking (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows.
-    ``datasets``' own cache (HF_DATASETS_CACHE) is a fresh directory too, so nothing is reused.
+    num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (pyarrow for a
+    source under ``neuron_parallel.data.POOL_MIN_BYTES``, else ``datasets``), rendering and masking
+    (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows. ``datasets``' own
+    cache (HF_DATASETS_CACHE, where the JSONL's table is kept too) is a fresh directory too, so
+    nothing is reused.
     Imports, one load of the tokenizer (transformers imports its modules on first use) and one
     ``load_dataset`` of a one-line file (``datasets`` imports its modules on its first load) happen
     before the timed region.
@@ -89,10 +91,11 @@ CASES = ("text", "chat", "preference")
 HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of the profile
     ("fingerprint (sha256 of sources)", "neuron_parallel/data.py", "dataset_fingerprint"),
     ("tokenizer load", "transformers/tokenization_utils_base.py", "from_pretrained"),
-    ("read source (load_dataset)", "datasets/load.py", "load_dataset"),
+    ("read source", "neuron_parallel/data.py", "_load_raw"),
     ("datasets map (encode + pack)", "datasets/arrow_dataset.py", "map"),
     ("  Encoder.__call__ (render+tokenize+mask)", "neuron_parallel/sft.py", "__call__"),
     ("  PairEncoder.__call__ (render+tokenize)", "neuron_parallel/preference.py", "__call__"),
+    ("    waiting for the encoding thread", "~", "acquire"),
     ("    Renderer.chats (renders, spans)", "neuron_parallel/sft.py", "chats"),
     ("      ChatRenderer.render", "neuron_parallel/chat.py", "render"),
     ("      ChatRenderer.cut_lengths (layouts)", "neuron_parallel/chat.py", "cut_lengths"),
@@ -101,7 +104,7 @@ HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of
     ("    tokenizer call (transformers)", "transformers/tokenization_utils_tokenizers.py", "_encode_plus"),
     ("      encode_batch (Rust)", "~", "encode_batch"),
     ("      Encodings -> Python lists", "transformers/tokenization_utils_tokenizers.py", "_convert_encoding"),
-    ("    masked_table (mask, Arrow lists)", "neuron_parallel/sft.py", "masked_table"),
+    ("    _masked (mask, Arrow lists)", "neuron_parallel/sft.py", "_masked"),
     ("    in_spans (mask)", "neuron_parallel/sft.py", "in_spans"),
     ("  arrow writer (lists -> Arrow)", "datasets/arrow_writer.py", "write_batch"),
     ("  stream_rows", "neuron_parallel/packing.py", "stream_rows"),

@@ -1,6 +1,7 @@
 """Loading text sources, the stream of rows, fingerprints and dataset folders."""
 
 import json
+from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
@@ -203,3 +204,57 @@ def test_a_pool_of_encoders_gives_the_rows_of_one_process(tiny_world, tmp_path):
     assert one.num_blocks > 1 and one.audit == two.audit
     a, b = load_from_disk(one.path).with_format("numpy")[:], load_from_disk(two.path).with_format("numpy")[:]
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
+    """Small local JSON Lines files are read by pyarrow without ``load_dataset``: the same columns,
+    types and rows (nested messages, a field missing from some rows, several files), kept in the
+    datasets cache and reused; files pyarrow refuses (a JSON array, a field whose type changes)
+    are read by ``load_dataset`` as before."""
+    from datasets import load_dataset
+
+    from neuron_parallel.data import _load_raw
+
+    rows = [
+        {"messages": [{"role": "user", "content": "hi é"}, {"role": "assistant", "content": "yo"}], "id": 1},
+        {"messages": [{"role": "system", "content": "s"}], "id": 2, "extra": "d"},
+        {"messages": [{"role": "assistant", "content": "z"}], "id": 3, "extra": "e"},
+    ]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    second.write_text(json.dumps(rows[2]) + "\n")
+    files = [str(first), str(second)]
+    got = _load_raw(files, "train")
+    want = load_dataset("json", data_files=files, split="train")
+    assert got.features == want.features and got[:] == want[:] and len(got) == 3
+    assert got.cache_files and "neuron_flows_jsonl" in got.cache_files[0]["filename"]
+    assert _load_raw(files, "train").cache_files == got.cache_files  # the kept table, read again
+
+    mixed = tmp_path / "mixed.jsonl"  # "v" is a number, then a string
+    mixed.write_text('{"v": 1}\n{"v": "one"}\n')
+    array = tmp_path / "array.json"  # a JSON array, not JSON Lines
+    array.write_text(json.dumps([{"text": "a"}, {"text": "b"}]))
+    for path in (mixed, array):
+        got = _load_raw(str(path), "train")
+        assert got[:] == load_dataset("json", data_files=str(path), split="train")[:]
+        assert not any("neuron_flows_jsonl" in f["filename"] for f in got.cache_files)
+
+
+def test_chat_rows_do_not_depend_on_the_json_reader(tiny_world, tmp_path, monkeypatch):
+    """Messages with a field only some of them carry are a struct to pyarrow (None where absent)
+    and JSON to ``load_dataset``: the tokenized rows and audit are the same either way."""
+    import neuron_parallel.data as data_module
+
+    lines = Path(tiny_world["chat"]).read_text().splitlines()
+    named = json.loads(lines[0])
+    named["messages"][0]["name"] = "ops"
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join([json.dumps(named), *lines[1:40]]) + "\n")
+    kw = dict(source=str(src), tokenizer_dir=tiny_world["model"], block_size=64, format="chat")
+    kw["chat_template"] = str(Path(tiny_world["chat_templates"]) / "llama3.jinja")
+    fast = tokenize_dataset(cache_dir=tmp_path / "fast", **kw)
+    assert "name" in data_module._load_raw(str(src), "train").features["messages"].feature  # a struct, from pyarrow
+    monkeypatch.setattr(data_module, "_json_lines", lambda files: None)
+    slow = tokenize_dataset(cache_dir=tmp_path / "slow", **kw)
+    assert load_from_disk(fast.path).with_format(None)[:] == load_from_disk(slow.path).with_format(None)[:]
+    assert fast.audit == slow.audit and fast.num_tokens == slow.num_tokens > 0

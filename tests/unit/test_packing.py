@@ -93,3 +93,66 @@ def test_first_document_of_a_row(with_positions):
     ids, targets = first_document(row)
     assert ids.tolist() == ([11, 12, 13] if with_positions else row["input_ids"])
     assert targets.tolist()[:3] == [False, False, True]
+
+
+def _reference_document_rows(examples, *, block_size, split_long, one_per_row):
+    """``document_rows`` written document by document in plain Python, as the module docstring
+    states it: ``examples`` as (ids, trained) lists, or ids alone (text, every token trained)."""
+    pieces = []  # (example, ids, trained, truncated)
+    for k, ex in enumerate(examples):
+        ids, trained = ex if isinstance(ex, tuple) else (ex, [1] * len(ex))
+        if split_long:
+            starts = range(0, len(ids), block_size)
+            parts = [(ids[s : s + block_size], trained[s : s + block_size], False) for s in starts]
+        else:
+            parts = [(ids[:block_size], trained[:block_size], len(ids) > block_size)]
+        pieces += [(k, *p) for p in parts if sum(p[1][1:]) > 0]  # something to predict
+    rows, used = [], block_size + 1
+    for piece in pieces:
+        if one_per_row or used + len(piece[1]) > block_size:
+            rows.append([])
+            used = 0
+        rows[-1].append(piece)
+        used += len(piece[1])
+    out = {k: [] for k in ("input_ids", "labels", "position_ids", "_kept", "_truncated", "_tokens", "_trained")}
+    seen = set()
+    for members in rows:
+        ids, labels, positions = [], [], []
+        for _, toks, trained, _ in members:
+            ids += toks
+            positions += range(len(toks))
+            labels += [t if m else IGNORE for t, m in zip(toks[1:], trained[1:])] + [IGNORE]
+        pad = block_size - len(ids)
+        out["input_ids"].append(ids + [PAD] * pad)
+        out["labels"].append(labels + [IGNORE] * pad)
+        out["position_ids"].append(positions + list(range(pad)))
+        out["_kept"].append(sum(k not in seen for k, *_ in members))
+        seen |= {k for k, *_ in members}
+        out["_truncated"].append(sum(t for *_, t in members))
+        out["_tokens"].append(len(ids))
+        out["_trained"].append(sum(sum(m[1:]) for _, _, m, _ in members))
+    return out
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["masked", "text"])
+def test_document_rows_equal_the_document_by_document_rule(text):
+    """Random examples (empty, short, longer than a row; trained anywhere or nowhere) in batches of
+    several Arrow chunks, every combination of split_long and one_per_row and several block sizes:
+    the rows and counts of the plain rule, value for value."""
+    rng = np.random.default_rng(0)
+    for block_size in (2, 5, 16, 33):
+        lengths = rng.integers(0, 3 * block_size, size=90)
+        ids = [rng.integers(1, 500, size=n).tolist() for n in lengths]
+        trained = [(rng.random(n) < rng.random()).astype(int).tolist() for n in lengths]
+        examples = ids if text else list(zip(ids, trained))
+        columns = {"ids": pa.array(ids, pa.list_(pa.int32()))}
+        if not text:
+            columns["trained"] = pa.array(trained, pa.list_(pa.int8()))
+        whole = pa.table(columns)
+        table = pa.Table.from_batches([*whole.slice(0, 40).to_batches(), *whole.slice(40).to_batches()])
+        for split_long in (False, True):
+            for one_per_row in (False, True):
+                kw = dict(block_size=block_size, split_long=split_long, one_per_row=one_per_row)
+                got = document_rows(table, pad_id=PAD, **kw).to_pydict()
+                assert got == _reference_document_rows(examples, **kw), (block_size, kw)
+    assert document_rows(table.slice(0, 0), pad_id=PAD, **kw).num_rows == 0

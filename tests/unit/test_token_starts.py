@@ -2,7 +2,8 @@
 on texts with multi-byte characters, special tokens, whitespace runs and random spans, for the
 byte-level tokenizer as the Llama 3 family configures it, under NFC as Qwen2's does, and where
 the ids cannot tell (offsets trimmed, a prefix space, a word suffix, an added token that strips
-whitespace, a text that NFC would change) through the offsets."""
+whitespace, a text that NFC would change) through the offsets; and ``overlapped``, which encodes
+each piece of a batch on a second thread while the Python work of its neighbours runs."""
 
 from __future__ import annotations
 
@@ -127,3 +128,38 @@ def test_a_batch_where_the_ids_miss_bytes_takes_the_offsets(tiny_world):
     stripped = plain + [("a  <|strip|>  b", [(0, 3), (12, 15)], False)]
     assert masked_table(tokens, stripped, eos=0).to_pydict() == _by_offsets(backend, stripped, eos=0)
     assert tokens.from_offsets == 1
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 8, 50])
+def test_overlapped_finishes_every_piece_once_in_order(count):
+    """Each range of examples is prepared, encoded (on another thread) and finished once, the
+    ranges cover the examples in order, and the results come back in that order."""
+    import threading
+
+    from neuron_parallel.token_starts import overlapped
+
+    main, seen = threading.get_ident(), []
+
+    def encode(prepared):
+        seen.append(threading.get_ident())
+        return [x * 10 for x in prepared]
+
+    out = overlapped(count, lambda a, b: list(range(a, b)), encode, lambda p, e: (p, e), pieces=4)
+    assert [x for p, _ in out for x in p] == list(range(count))
+    assert all(e == [x * 10 for x in p] for p, e in out) and len(out) == max(min(4, count), 1)
+    assert main not in seen
+
+
+def test_overlapped_raises_what_a_piece_raises():
+    """A refusal while preparing a later piece (a bad row) reaches the caller as it was raised."""
+    from neuron_parallel.token_starts import overlapped
+
+    def prepare(a, b):
+        if b > 6:
+            raise ValueError(f"row {b - 1}: bad")
+        return (a, b)
+
+    with pytest.raises(ValueError, match="row 9: bad"):
+        overlapped(10, prepare, lambda p: p, lambda p, e: e, pieces=2)
+    with pytest.raises(ZeroDivisionError):
+        overlapped(10, lambda a, b: b - a, lambda n: 1 / (n - 5), lambda p, e: e, pieces=2)
