@@ -37,19 +37,22 @@ def encode_ids(backend, texts: list[str]) -> list:
     return backend.encode_batch_fast(texts, add_special_tokens=False)
 
 
-PIECES = 8
-"""Pieces :func:`overlapped` cuts a batch into."""
+PIECE = 128
+"""Examples per piece of :func:`overlapped`: small enough that the first piece's preparation and
+the last one's finish, which nothing overlaps, are a small part of a batch, large enough that
+each encoding call spreads over the tokenizer's threads."""
 
 
-def overlapped(count: int, prepare, encode, finish, pieces: int = PIECES) -> list:
-    """``finish(p, encode(p))`` for ``p = prepare(a, b)`` of each of ``pieces`` consecutive ranges
-    ``[a, b)`` of ``count`` examples, in order, with each piece's ``encode`` on a second thread
-    while this one finishes the piece before and prepares the next. The Rust tokenizer encodes
-    with the GIL released, on every core; rendering and masks are Python, on one. In sequence,
-    a core idles through every Python step (on the tokenization benchmark, about a third of a
-    batch's time on 2 cores); overlapped, the tokenizer's threads take that core meanwhile."""
-    bounds = np.unique(np.linspace(0, count, max(min(pieces, count), 1) + 1).astype(int)).tolist()
-    ranges = list(zip(bounds, bounds[1:])) or [(0, 0)]
+def overlapped(count: int, prepare, encode, finish, piece: int = PIECE) -> list:
+    """``finish(p, encode(p))`` for ``p = prepare(a, b)`` of each consecutive range ``[a, b)`` of
+    ``count`` examples, ``piece`` at most, in order, with each piece's ``encode`` on a second
+    thread while this one finishes the piece before and prepares the next. The Rust tokenizer
+    encodes with the GIL released, on every core; rendering and masks are Python, on one. In
+    sequence, a core idles through every Python step (on the tokenization benchmark, about a third
+    of a batch's time on 2 cores); overlapped, the tokenizer's threads take that core meanwhile."""
+    pieces = max(-(-count // piece), 1)
+    bounds = np.linspace(0, count, pieces + 1).astype(int).tolist()
+    ranges = list(zip(bounds, bounds[1:]))
     out = []
     with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
         running = None

@@ -144,9 +144,9 @@ def test_overlapped_finishes_every_piece_once_in_order(count):
         seen.append(threading.get_ident())
         return [x * 10 for x in prepared]
 
-    out = overlapped(count, lambda a, b: list(range(a, b)), encode, lambda p, e: (p, e), pieces=4)
+    out = overlapped(count, lambda a, b: list(range(a, b)), encode, lambda p, e: (p, e), piece=3)
     assert [x for p, _ in out for x in p] == list(range(count))
-    assert all(e == [x * 10 for x in p] for p, e in out) and len(out) == max(min(4, count), 1)
+    assert all(e == [x * 10 for x in p] for p, e in out) and len(out) == max(-(-count // 3), 1)
     assert main not in seen
 
 
@@ -160,6 +160,6 @@ def test_overlapped_raises_what_a_piece_raises():
         return (a, b)
 
     with pytest.raises(ValueError, match="row 9: bad"):
-        overlapped(10, prepare, lambda p: p, lambda p, e: e, pieces=2)
+        overlapped(10, prepare, lambda p: p, lambda p, e: e, piece=5)
     with pytest.raises(ZeroDivisionError):
-        overlapped(10, lambda a, b: b - a, lambda n: 1 / (n - 5), lambda p, e: e, pieces=2)
+        overlapped(10, lambda a, b: b - a, lambda n: 1 / (n - 5), lambda p, e: e, piece=5)
