@@ -149,18 +149,18 @@ class ChatRenderer:
         """Each ``(prompt, chosen, rejected)`` message lists as ``(the prompt rendered with the
         generation prompt, what rendering prompt + chosen adds to it, what prompt + rejected
         adds)``: prompt + chosen and prompt + rejected rendered once each and split where the
-        prompt's rendering ends (found by :meth:`cut_lengths`, else rendered). ValueError where a
-        completion adds nothing or the prompt's rendering is not a prefix."""
+        prompt's rendering ends. That length is found in prompt + chosen (:meth:`cut_lengths`;
+        else the prompt is rendered); it depends on the prompt alone, so it holds for prompt +
+        rejected when that starts with the same text. ValueError where a completion adds nothing
+        or the prompt's rendering is not a prefix."""
         conversations = [prompt + turns for prompt, chosen, rejected in pairs for turns in (chosen, rejected)]
         full = self.render(conversations, [where for where in wheres for _ in range(2)], False)
-        found = self.cut_lengths(
-            conversations, full, [[(len(prompt), True)] for prompt, _, _ in pairs for _ in range(2)]
-        )
+        found = self.cut_lengths(conversations[::2], full[::2], [[(len(prompt), True)] for prompt, _, _ in pairs])
         out = []
         for k, ((prompt, _, _), where) in enumerate(zip(pairs, wheres)):
-            a, b, cut = full[2 * k], full[2 * k + 1], found[2 * k]
-            n = cut[0] if cut is not None and cut == found[2 * k + 1] else None
-            if n is not None and n < min(len(a), len(b)) and a[:n] == b[:n]:  # one prompt rendering, then more
+            a, b, cut = full[2 * k], full[2 * k + 1], found[k]
+            n = cut[0] if cut is not None else None
+            if n is not None and n < min(len(a), len(b)) and b.startswith(a[:n]):  # one prompt rendering, then more
                 out.append((a[:n], a[n:], b[n:]))
                 continue
             head = self.render([prompt], [where], True)[0]
