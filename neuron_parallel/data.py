@@ -3,7 +3,8 @@ training.
 
 ``tokenize_data`` reads every source (``datasets``; a small local JSON Lines source with pyarrow
 alone, ``_json_lines``), renders and masks each example (``neuron_parallel.sft``), mixes weighted
-sources, holds out or reads the evaluation examples, builds rows (``neuron_parallel.packing``) and saves them under ``cache_dir/<fingerprint>/``:
+sources, holds out or reads the evaluation examples, builds rows (``neuron_parallel.packing``)
+and saves them under ``cache_dir/<fingerprint>/``:
 
 - ``train/`` and, when evaluation is configured, ``eval/``: ``datasets`` folders (numpy format)
   with int32 columns ``input_ids``, ``labels`` (shifted targets, -100 without loss) and, in
