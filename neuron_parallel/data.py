@@ -246,10 +246,10 @@ def _load_raw(source: str | list[str], split: str, config: str | None = None, hu
 def _json_lines(files: list[Path]):
     """The rows of the JSON Lines ``files`` as a ``Dataset``, read by pyarrow's JSON reader (the
     one ``datasets``' JSON loader calls), or None where it refuses them: not JSON Lines (a JSON
-    array), a field whose type changes between rows. ``load_dataset``
-    handles those; for the rest it builds the same table, but first parses every line of the
-    first 10 MB again in Python to look for such fields: about ten times pyarrow's own time
-    (measured on 5 MB of chat JSONL, single-core work of 0.17 s against 0.02 s). The table is
+    array), a field whose type changes between rows. ``load_dataset`` handles those; for the rest
+    it builds the same table, but first parses every line of the first 10 MB again in Python to
+    look for such fields: about ten times pyarrow's own time (measured on 5 MB of chat JSONL,
+    single-core work of 0.17 s against 0.02 s). The table is
     kept, as ``load_dataset`` keeps its own, as an Arrow file in the ``datasets`` cache, named by
     the digest of the files' contents and pyarrow's version, and read memory-mapped: the batches
     the encoding and packing maps write go to files beside it rather than to growing buffers in

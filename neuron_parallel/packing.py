@@ -109,10 +109,10 @@ def segments(starts: np.ndarray, firsts: np.ndarray, total: int, *, step: int, d
     return out
 
 
-def padding_segments(row: np.ndarray, used: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(where, rows)``: the flat start of each row's padding, for the rows not full."""
+def padding_starts(used: np.ndarray, block_size: int) -> np.ndarray:
+    """Where each row's padding starts in the flat rows, for the rows with ``used`` below full."""
     short = np.flatnonzero(used < block_size)
-    return short * block_size + used[short], short
+    return short * block_size + used[short]
 
 
 def in_order(starts: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
@@ -146,7 +146,7 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
     used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
 
     # Segments of the rows: the pieces, then each row's padding, reading from index n on.
-    pad_at, _ = padding_segments(row, used, block_size)
+    pad_at = padding_starts(used, block_size)
     at, first = in_order(np.r_[row * block_size + col, pad_at], np.r_[start, np.full(len(pad_at), n)])
     dtype = index_dtype(n + block_size, total)
     src = segments(at, first, total, step=1, dtype=dtype)

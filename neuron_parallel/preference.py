@@ -205,7 +205,7 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     (``packing.segments``); only the greedy placement runs per pair. A completion token is the
     label of the position before it in its document; the first position of a document has none
     before it (an empty prompt: the first completion token is not predicted)."""
-    from .packing import _flat, _greedy, _table, in_order, index_dtype, padding_segments, segments
+    from .packing import _flat, _greedy, _table, in_order, index_dtype, padding_starts, segments
 
     values, starts, lengths = [], [], []
     for name in ("prompt", "chosen", "rejected"):
@@ -241,7 +241,7 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     )
     seg_at, seg_src, seg_pos, seg_id = (np.stack(cols, axis=1).reshape(-1) for cols in columns)
     nonempty = np.stack([p, c, p, r], axis=1).reshape(-1) > 0  # an empty prompt has no segment
-    pad_at, _ = padding_segments(row, used, block_size)
+    pad_at = padding_starts(used, block_size)
     pads = len(pad_at)
     seg_at, seg_src, seg_pos, seg_id = in_order(
         np.r_[seg_at[nonempty], pad_at],
@@ -253,14 +253,14 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     np.minimum(src, n, out=src)
     input_ids = tokens.take(src)
     positions = segments(seg_at, seg_pos, total, step=1, dtype=np.int32)  # padding counts from 0
-    ids = segments(seg_at, seg_id, total, step=0, dtype=np.int32)
+    segment_ids = segments(seg_at, seg_id, total, step=0, dtype=np.int32)
     # Position t is labelled when t + 1 holds a completion token with a position before it.
-    target = ids[1:] >= 0
+    target = segment_ids[1:] >= 0
     target &= positions[1:] > 0
     labels = np.full(total, IGNORE, dtype=np.int32)
     sequence_ids = np.full(total, -1, dtype=np.int32)
     np.copyto(labels[:-1], input_ids[1:], where=target)
-    np.copyto(sequence_ids[:-1], ids[1:], where=target)
+    np.copyto(sequence_ids[:-1], segment_ids[1:], where=target)
     counts = {
         "_kept": np.bincount(row, minlength=num_rows),
         "_truncated": np.bincount(row, weights=cut > 0, minlength=num_rows),
