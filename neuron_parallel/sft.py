@@ -262,10 +262,14 @@ class Encoder:
         tables = overlapped(
             len(rows),
             lambda a, b: self.render.batch(rows[a:b], wheres[a:b]),
-            lambda rendered: self.tokens.encode([t for t, _, _ in rendered], [ex for _, ex, _ in rendered]),
-            lambda rendered, encoded: _masked(encoded, rendered, self.eos),
+            lambda rendered: self.tokens.encode_ids([text for text, _, _ in rendered]),
+            lambda rendered, encodings: _masked(self._starts(rendered, encodings), rendered, self.eos),
         )
         return pa.concat_tables(tables)
+
+    def _starts(self, rendered: list[tuple[str, list[tuple[int, int]], bool]], encodings: list | None) -> tuple:
+        """``TokenStarts.starts`` of ``rendered`` from its ``encodings``."""
+        return self.tokens.starts([text for text, _, _ in rendered], [ex for _, ex, _ in rendered], encodings)
 
 
 def masked_table(tokens: TokenStarts, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):

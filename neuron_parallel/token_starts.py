@@ -156,8 +156,17 @@ class TokenStarts:
         (int32), the tokens of each text, where each token starts within its text, each text's
         length and its character ``spans``, positions all in one unit: bytes of UTF-8 where the ids
         give them, characters where the offsets were used."""
-        if self.nbytes is not None:
-            found = self._from_ids(texts, spans)
+        return self.starts(texts, spans, self.encode_ids(texts))
+
+    def encode_ids(self, texts: list[str]) -> list | None:
+        """The first half of :meth:`encode`, the tokenizer's alone (it runs without the GIL): the
+        encodings of ``texts`` without offsets, or None where the ids cannot give the starts."""
+        return encode_ids(self.backend, texts) if self.nbytes is not None else None
+
+    def starts(self, texts: list[str], spans: list[list[tuple[int, int]]], encodings: list | None):
+        """The second half of :meth:`encode`, from :meth:`encode_ids`'s ``encodings``."""
+        if encodings is not None:
+            found = self._from_ids(texts, spans, encodings)
             if found is not None:
                 return found
         self.from_offsets += 1
@@ -166,11 +175,11 @@ class TokenStarts:
         starts = np.fromiter((s for e in encodings for s, _ in e.offsets), dtype=np.int64, count=len(ids))
         return ids, counts, starts, np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), spans
 
-    def _from_ids(self, texts: list[str], spans: list[list[tuple[int, int]]]):
+    def _from_ids(self, texts: list[str], spans: list[list[tuple[int, int]]], encodings: list):
         ascii_ = [t.isascii() for t in texts]
         if self.nfc and not all(a or unicodedata.is_normalized("NFC", t) for a, t in zip(ascii_, texts)):
             return None
-        ids, counts = flat_ids(encode_ids(self.backend, texts))
+        ids, counts = flat_ids(encodings)
         nbytes = self.nbytes[ids]
         if len(nbytes) and nbytes.min() < 0:
             return None
