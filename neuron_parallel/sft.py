@@ -262,7 +262,7 @@ class Encoder:
         tables = overlapped(
             len(rows),
             lambda a, b: self.render.batch(rows[a:b], wheres[a:b]),
-            lambda rendered: self.tokens.encode_ids([text for text, _, _ in rendered]),
+            lambda rendered: self.tokens.tokenize([text for text, _, _ in rendered]),
             lambda rendered, encodings: _masked(self._starts(rendered, encodings), rendered, self.eos),
         )
         return pa.concat_tables(tables)
