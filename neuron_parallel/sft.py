@@ -263,28 +263,24 @@ class Encoder:
             len(rows),
             lambda a, b: self.render.batch(rows[a:b], wheres[a:b]),
             lambda rendered: self.tokens.tokenize([text for text, _, _ in rendered]),
-            lambda rendered, encodings: _masked(self._starts(rendered, encodings), rendered, self.eos),
+            lambda rendered, encodings: masked_table(self.tokens, rendered, self.eos, encodings),
         )
         return pa.concat_tables(tables)
 
-    def _starts(self, rendered: list[tuple[str, list[tuple[int, int]], bool]], encodings: list | None) -> tuple:
-        """``TokenStarts.starts`` of ``rendered`` from its ``encodings``."""
-        return self.tokens.starts([text for text, _, _ in rendered], [ex for _, ex, _ in rendered], encodings)
 
-
-def masked_table(tokens: TokenStarts, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
+def masked_table(
+    tokens: TokenStarts, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int, encodings=None
+):
     """The ``ids`` and ``trained`` columns (Arrow lists) of examples ``rendered`` as ``(text,
-    trained character spans, append EOS)``, tokenized by ``tokens``: a token is trained when its
-    first character lies in one of its example's spans; an appended EOS always is."""
-    return _masked(tokens.encode([text for text, _, _ in rendered], [ex for _, ex, _ in rendered]), rendered, eos)
-
-
-def _masked(encoded: tuple, rendered: list[tuple[str, list[tuple[int, int]], bool]], eos: int):
-    """:func:`masked_table` of ``rendered`` from its ``TokenStarts.encode``: built from flat arrays
-    of the whole batch, in one search: each example's positions are counted after those of the
-    examples before it, plus one, so that no position is shared."""
+    trained character spans, append EOS)``, tokenized by ``tokens`` (from ``encodings``, its
+    ``tokenize`` of the texts, where given): a token is trained when its first character lies in
+    one of its example's spans; an appended EOS always is. Built from flat arrays of the whole
+    batch, in one search: each example's positions are counted after those of the examples before
+    it, plus one, so that no position is shared."""
     import pyarrow as pa
 
+    texts, char_spans = [text for text, _, _ in rendered], [ex for _, ex, _ in rendered]
+    encoded = tokens.starts(texts, char_spans, tokens.tokenize(texts) if encodings is None else encodings)
     flat, counts, starts, lengths, unit_spans = encoded
     base = np.cumsum(lengths + 1) - (lengths + 1)
     spans = [(a + b, e + b) for ex, b in zip(unit_spans, base.tolist()) for a, e in ex]

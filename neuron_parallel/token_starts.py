@@ -151,20 +151,17 @@ class TokenStarts:
             nbytes[i] = len(tok.content.encode())
         return nbytes
 
-    def encode(self, texts: list[str], spans: list[list[tuple[int, int]]]):
-        """``(ids, counts, starts, lengths, spans)``: every text's token ids one after another
-        (int32), the tokens of each text, where each token starts within its text, each text's
-        length and its character ``spans``, positions all in one unit: bytes of UTF-8 where the ids
-        give them, characters where the offsets were used."""
-        return self.starts(texts, spans, self.tokenize(texts))
-
     def tokenize(self, texts: list[str]) -> list | None:
-        """The first half of :meth:`encode`, the tokenizer's alone (it runs without the GIL): the
-        encodings of ``texts`` without offsets, or None where the ids cannot give the starts."""
+        """The tokenizer's part (it runs without the GIL): the encodings of ``texts`` without
+        offsets, or None where the ids cannot give the starts."""
         return encode_ids(self.backend, texts) if self.nbytes is not None else None
 
     def starts(self, texts: list[str], spans: list[list[tuple[int, int]]], encodings: list | None):
-        """The second half of :meth:`encode`, from :meth:`tokenize`'s ``encodings``."""
+        """``(ids, counts, starts, lengths, spans)`` from :meth:`tokenize`'s ``encodings`` of
+        ``texts``: every text's token ids one after another (int32), the tokens of each text, where
+        each token starts within its text, each text's length and its character ``spans``,
+        positions all in one unit: bytes of UTF-8 where the ids give them, characters where the
+        offsets were used."""
         if encodings is not None:
             found = self._from_ids(texts, spans, encodings)
             if found is not None:
