@@ -109,8 +109,9 @@ class PairEncoder:
         tables = overlapped(
             len(indices),
             lambda a, b: self._texts(batch, indices, a, b),
-            lambda texts: encode_ids(backend, [t[k] for k in range(3) for t in texts[0]]),  # one call: one dispatch
-            lambda texts, every: pa.table(self._columns(*texts, every)),
+            # Every prompt, then every chosen, then every rejected text, in one call: one dispatch.
+            lambda prepared: encode_ids(backend, [t[k] for k in range(3) for t in prepared[0]]),
+            lambda prepared, every: pa.table(self._columns(*prepared, every)),
         )
         return pa.concat_tables(tables)
 
