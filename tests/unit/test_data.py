@@ -184,26 +184,42 @@ def test_a_tokenized_dataset_pickles_and_reloads_equal(tiny_world, tmp_path):
     assert ds.path.endswith("/train") and ds.eval_path.endswith("/eval") and ds.attention == "document"
 
 
-def test_a_pool_of_encoders_gives_the_rows_of_one_process(tiny_world, tmp_path):
-    """Chat rows encoded by two worker processes equal those encoded in this one, bit for bit;
-    num_proc=1 and small sources (under POOL_MIN_BYTES) start no pool."""
+@pytest.mark.parametrize("fmt", ["chat", "preference", "text"])
+def test_rows_do_not_depend_on_where_they_are_built(tiny_world, tmp_path, monkeypatch, fmt):
+    """Train and eval rows and the audit are the same bit for bit whether a small source is
+    encoded in this process into memory and packed there, encoded by a pool of two worker
+    processes through ``datasets.map`` (cache files, packed by ``datasets.map``), or encoded into
+    memory and packed by ``datasets.map`` (rows over ``ROWS_IN_MEMORY_BYTES``). num_proc=1 and
+    small sources (under POOL_MIN_BYTES) start no pool."""
+    from neuron_parallel import data
     from neuron_parallel.data import POOL_MIN_BYTES, _encode_procs
     from neuron_parallel.tiny import TEMPLATES
 
     assert _encode_procs(1, POOL_MIN_BYTES) is None and _encode_procs(3, 0) == 3
     assert _encode_procs(None, POOL_MIN_BYTES - 1) is None
+    here = []
+    encoded_here = data._encoded_here
+    monkeypatch.setattr(data, "_encoded_here", lambda *a: here.append(a) or encoded_here(*a))
     kw = dict(
-        source=tiny_world["chat"],
+        source=tiny_world["corpus" if fmt == "text" else fmt],
         tokenizer_dir=tiny_world["model"],
-        block_size=256,
-        format="chat",
-        chat_template=str(TEMPLATES / "llama3.jinja"),
+        block_size=128,
+        format=fmt,
+        eval_fraction=0.2,
+        chat_template=None if fmt == "text" else str(TEMPLATES / "llama3.jinja"),
     )
     one = tokenize_dataset(cache_dir=tmp_path / "one", **kw)
+    assert len(here) == 1
     two = tokenize_dataset(cache_dir=tmp_path / "two", num_proc=2, **kw)
-    assert one.num_blocks > 1 and one.audit == two.audit
-    a, b = load_from_disk(one.path).with_format("numpy")[:], load_from_disk(two.path).with_format("numpy")[:]
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert len(here) == 1
+    monkeypatch.setattr(data, "ROWS_IN_MEMORY_BYTES", 0)
+    three = tokenize_dataset(cache_dir=tmp_path / "three", **kw)
+    assert len(here) == 2
+    assert one.num_blocks > 1 and one.num_eval_blocks > 0 and one.audit == two.audit == three.audit
+    for other in (two, three):
+        for mine, theirs in ((one.path, other.path), (one.eval_path, other.eval_path)):
+            a, b = load_from_disk(mine).with_format("numpy")[:], load_from_disk(theirs).with_format("numpy")[:]
+            assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
@@ -258,3 +274,36 @@ def test_chat_rows_do_not_depend_on_the_json_reader(tiny_world, tmp_path, monkey
     slow = tokenize_dataset(cache_dir=tmp_path / "slow", **kw)
     assert load_from_disk(fast.path).with_format(None)[:] == load_from_disk(slow.path).with_format(None)[:]
     assert fast.audit == slow.audit and fast.num_tokens == slow.num_tokens > 0
+
+
+def test_numpy_huge_page_advice_is_off_while_tokenizing_and_restored_after(tiny_world, tmp_path, monkeypatch):
+    """``tokenize_data`` packs with NumPy's huge-page advice off (``utils.small_pages``) and leaves
+    it as it found it, after a result and after a refusal."""
+    from numpy._core.multiarray import _set_madvise_hugepage
+
+    from neuron_parallel import data
+    from neuron_parallel.tiny import TEMPLATES
+
+    def advice() -> bool:
+        was = _set_madvise_hugepage(False)
+        _set_madvise_hugepage(was)
+        return was
+
+    seen = []
+    pack = data.document_rows
+    monkeypatch.setattr(data, "document_rows", lambda *a, **k: seen.append(advice()) or pack(*a, **k))
+    kw = dict(
+        tokenizer_dir=tiny_world["model"], block_size=64, format="chat", chat_template=str(TEMPLATES / "llama3.jinja")
+    )
+    initial = _set_madvise_hugepage(True)
+    try:
+        tokenize_dataset(source=tiny_world["chat"], cache_dir=tmp_path / "a", **kw)
+        assert seen and not any(seen) and advice() is True
+        _set_madvise_hugepage(False)
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
+        with pytest.raises(ValueError, match="narrator"):
+            tokenize_dataset(source=str(bad), cache_dir=tmp_path / "b", **kw)
+        assert advice() is False
+    finally:
+        _set_madvise_hugepage(initial)
