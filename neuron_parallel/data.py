@@ -246,35 +246,27 @@ def _load_raw(source: str | list[str], split: str, config: str | None = None, hu
 
 
 def _json_lines(files: list[Path]):
-    """The rows of the JSON Lines ``files`` as a ``Dataset``, read by pyarrow's JSON reader (the
-    one ``datasets``' JSON loader calls), or None where it refuses them: not JSON Lines (a JSON
-    array), a field whose type changes between rows. ``load_dataset`` handles those; for the rest
-    it builds the same table, but first parses every line of the first 10 MB again in Python to
-    look for such fields: about ten times pyarrow's own time (measured on 5 MB of chat JSONL,
-    single-core work of 0.17 s against 0.02 s). The table is
-    kept, as ``load_dataset`` keeps its own, as an Arrow file in the ``datasets`` cache, named by
-    the digest of the files' contents and pyarrow's version, and read memory-mapped: the batches
-    the encoding and packing maps write go to files beside it rather than to growing buffers in
-    memory, which took longer."""
+    """The rows of the JSON Lines ``files`` as an in-memory ``Dataset``, read by pyarrow's JSON
+    reader (the one ``datasets``' JSON loader calls), or None where it refuses them: not JSON Lines
+    (a JSON array), a field whose type changes between rows. ``load_dataset`` handles those; for
+    the rest it builds the same table, but first parses every line of the first 10 MB again in
+    Python to look for such fields: about ten times pyarrow's own time (measured on 5 MB of chat
+    JSONL, single-core work of 0.17 s against 0.02 s). Only sources under ``POOL_MIN_BYTES`` come
+    here, and their examples are encoded in memory (:func:`_encoded_here`), so nothing is written:
+    ``load_dataset`` would write the table to its cache first."""
     import pyarrow as pa
     import pyarrow.json as paj
     from datasets import Dataset
-    from datasets import config as datasets_config
+    from datasets.table import InMemoryTable
 
-    key = hashlib.sha256(json.dumps([pa.__version__, *map(sha256_file, files)]).encode()).hexdigest()[:24]
-    path = Path(datasets_config.HF_DATASETS_CACHE) / "neuron_flows_jsonl" / f"{key}.arrow"
-    if not path.is_file():
-        try:
-            lines = b"\n".join(f.read_bytes().rstrip(b"\n") for f in files)  # one table, one schema
-            table = paj.read_json(pa.BufferReader(lines))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        os.replace(tmp, path)
-    return Dataset.from_file(str(path))
+    try:
+        lines = b"\n".join(f.read_bytes().rstrip(b"\n") for f in files)  # one table, one schema
+        table = paj.read_json(pa.BufferReader(lines))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+    # Named by content, as datasets would name it, without hashing the table.
+    key = hashlib.sha256(json.dumps([pa.__version__, *map(sha256_file, files)]).encode()).hexdigest()[:16]
+    return Dataset(InMemoryTable(table), fingerprint=key)
 
 
 def _load_repo(repo: str, split: str, config: str | None, shown: str | None = None):
@@ -314,8 +306,8 @@ sending them the examples, merging their results, and the tokenizer's threads (i
 it encodes on one core). Measured on 2 cores, 5 MB of chat (or of preference pairs) took 0.1 to
 0.4 CPU seconds less in one process than in a pool of two (about 1.7 against 1.85 for chat) in
 about the same wall time; by those figures the pool repays its cost from about 12 MB of chat.
-Local JSON Lines sources under this size (their files' bytes) are read by pyarrow alone
-(``_json_lines``)."""
+Local JSON Lines sources under this size (their files' bytes) are read by pyarrow alone, into
+memory (``_json_lines``)."""
 
 
 def _encode_procs(num_proc: int | None, num_bytes: int) -> int | None:

@@ -224,9 +224,9 @@ def test_rows_do_not_depend_on_where_they_are_built(tiny_world, tmp_path, monkey
 
 def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     """Small local JSON Lines files are read by pyarrow without ``load_dataset``: the same columns,
-    types and rows (nested messages, a field missing from some rows, several files), kept in the
-    datasets cache and reused; files pyarrow refuses (a JSON array, a field whose type changes)
-    are read by ``load_dataset`` as before."""
+    types and rows (nested messages, a field missing from some rows, several files), in memory (no
+    file written), named by the files' contents; files pyarrow refuses (a JSON array, a field whose
+    type changes) are read by ``load_dataset`` as before, into its cache."""
     from datasets import load_dataset
 
     from neuron_parallel.data import _load_raw
@@ -243,8 +243,9 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     got = _load_raw(files, "train")
     want = load_dataset("json", data_files=files, split="train")
     assert got.features == want.features and got[:] == want[:] and len(got) == 3
-    assert got.cache_files and "neuron_flows_jsonl" in got.cache_files[0]["filename"]
-    assert _load_raw(files, "train").cache_files == got.cache_files  # the kept table, read again
+    assert got.cache_files == [] and _load_raw(files, "train")._fingerprint == got._fingerprint
+    second.write_text(json.dumps({**rows[2], "id": 4}) + "\n")
+    assert _load_raw(files, "train")._fingerprint != got._fingerprint
 
     mixed = tmp_path / "mixed.jsonl"  # "v" is a number, then a string
     mixed.write_text('{"v": 1}\n{"v": "one"}\n')
@@ -253,7 +254,7 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     for path in (mixed, array):
         got = _load_raw(str(path), "train")
         assert got[:] == load_dataset("json", data_files=str(path), split="train")[:]
-        assert not any("neuron_flows_jsonl" in f["filename"] for f in got.cache_files)
+        assert got.cache_files  # load_dataset's
 
 
 def test_chat_rows_do_not_depend_on_the_json_reader(tiny_world, tmp_path, monkeypatch):
