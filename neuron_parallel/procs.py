@@ -196,7 +196,8 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     goes to ``proc``'s process group (torchrun forwards it to the ranks); whatever is left after
     ``grace_s`` is SIGKILLed by pid, from a list of descendants (with their start times) taken
     before anything was signalled: one that exited meanwhile is skipped, even if its pid was given
-    to another process since (:func:`signal_same`)."""
+    to another process since (:func:`signal_same`). Returns once those killed have exited (up to
+    ``grace_s`` more)."""
     if proc.poll() is not None:
         return
     tree = identify(process_tree(proc.pid))
@@ -208,8 +209,12 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    for pid, started in tree:
-        signal_same(pid, started, signal.SIGKILL)
+    killed = [pid for pid, started in tree if signal_same(pid, started, signal.SIGKILL)]
     if proc.poll() is None:  # Popen signals only a child it has not reaped; also where /proc is absent
         proc.kill()
     proc.wait()
+    # SIGKILL is delivered at once but a process takes a moment to exit (its memory unmapped):
+    # wait for it, so that nothing this returns from still runs.
+    deadline = time.monotonic() + grace_s
+    while any(alive(pid) for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.01)
