@@ -24,7 +24,7 @@ Cases and what each timed region holds:
      chat_template=<the same>, block_size=B)``.
   - ours: the whole ``tokenize_data(DataConfig(..., cache_dir=<fresh dir>), model_dir,
     num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (pyarrow for a
-    source under ``neuron_parallel.data.POOL_MIN_BYTES``, else ``datasets``), rendering and masking
+    source under ``neuron_parallel.sources.POOL_MIN_BYTES``, else ``datasets``), rendering and masking
     (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows. ``datasets``' own
     cache (HF_DATASETS_CACHE, where the JSONL's table is kept too) is a fresh directory too, so
     nothing is reused.
@@ -44,7 +44,7 @@ Method: every measurement runs in its own subprocess (``bench_util.run_child``),
 cores with the same thread settings (``RAYON_NUM_THREADS=--threads``, tokenizers' parallelism on
 when threads > 1, ``OMP_NUM_THREADS``), so neither warms the other. Both use every one of those
 cores: the baseline through the tokenizer's threads in one process; ours as ``tokenize_data``
-chooses with ``--num-proc`` unset (``neuron_parallel.data.POOL_MIN_BYTES``), in one process with
+chooses with ``--num-proc`` unset (``neuron_parallel.sources.POOL_MIN_BYTES``), in one process with
 the tokenizer's threads for a source under that size (chat and preference at the default sizes),
 else in a pool of one worker per core, each encoding on one. For each repeat and case the
 two alternate (baseline first on even repeats, ours first on odd ones), and the table reports
@@ -91,7 +91,7 @@ CASES = ("text", "chat", "preference")
 HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of the profile
     ("fingerprint (sha256 of sources)", "neuron_parallel/data.py", "dataset_fingerprint"),
     ("tokenizer load", "transformers/tokenization_utils_base.py", "from_pretrained"),
-    ("read source", "neuron_parallel/data.py", "_load_raw"),
+    ("read source", "neuron_parallel/sources.py", "load_raw"),
     ("examples (encode; held-out split)", "neuron_parallel/data.py", "_split_examples"),
     ("  Encoder.__call__ (render+tokenize+mask)", "neuron_parallel/sft.py", "__call__"),
     ("  PairEncoder.__call__ (render+tokenize)", "neuron_parallel/preference.py", "__call__"),

@@ -59,10 +59,10 @@ def preflight(
     Hub unreachable) is said in ``warn``."""
     from neuron_parallel.checkpoint.output import check_replaceable_dir, check_run_dir
     from neuron_parallel.checks import check_device, check_hub, check_model_dir, pin_hub_revisions
-    from neuron_parallel.data import local_data_files
     from neuron_parallel.models import resolve_model_dir
     from neuron_parallel.planning.attention import block_size_advice
     from neuron_parallel.planning.model import ModelShape
+    from neuron_parallel.sources import local_data_files
     from neuron_parallel.utils import names_local_path
 
     check_run_dir(config.output.dir)

@@ -229,7 +229,7 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     type changes) are read by ``load_dataset`` as before, into its cache."""
     from datasets import load_dataset
 
-    from neuron_parallel.data import _load_raw
+    from neuron_parallel.sources import load_raw
 
     rows = [
         {"messages": [{"role": "user", "content": "hi é"}, {"role": "assistant", "content": "yo"}], "id": 1},
@@ -240,19 +240,19 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     first.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     second.write_text(json.dumps(rows[2]) + "\n")
     files = [str(first), str(second)]
-    got = _load_raw(files, "train")
+    got = load_raw(files, "train")
     want = load_dataset("json", data_files=files, split="train")
     assert got.features == want.features and got[:] == want[:] and len(got) == 3
-    assert got.cache_files == [] and _load_raw(files, "train")._fingerprint == got._fingerprint
+    assert got.cache_files == [] and load_raw(files, "train")._fingerprint == got._fingerprint
     second.write_text(json.dumps({**rows[2], "id": 4}) + "\n")
-    assert _load_raw(files, "train")._fingerprint != got._fingerprint
+    assert load_raw(files, "train")._fingerprint != got._fingerprint
 
     mixed = tmp_path / "mixed.jsonl"  # "v" is a number, then a string
     mixed.write_text('{"v": 1}\n{"v": "one"}\n')
     array = tmp_path / "array.json"  # a JSON array, not JSON Lines
     array.write_text(json.dumps([{"text": "a"}, {"text": "b"}]))
     for path in (mixed, array):
-        got = _load_raw(str(path), "train")
+        got = load_raw(str(path), "train")
         assert got[:] == load_dataset("json", data_files=str(path), split="train")[:]
         assert got.cache_files  # load_dataset's
 
@@ -260,7 +260,7 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
 def test_chat_rows_do_not_depend_on_the_json_reader(tiny_world, tmp_path, monkeypatch):
     """Messages with a field only some of them carry are a struct to pyarrow (None where absent)
     and JSON to ``load_dataset``: the tokenized rows and audit are the same either way."""
-    import neuron_parallel.data as data_module
+    import neuron_parallel.sources as sources_module
 
     lines = Path(tiny_world["chat"]).read_text().splitlines()
     named = json.loads(lines[0])
@@ -270,8 +270,8 @@ def test_chat_rows_do_not_depend_on_the_json_reader(tiny_world, tmp_path, monkey
     kw = dict(source=str(src), tokenizer_dir=tiny_world["model"], block_size=64, format="chat")
     kw["chat_template"] = str(Path(tiny_world["chat_templates"]) / "llama3.jinja")
     fast = tokenize_dataset(cache_dir=tmp_path / "fast", **kw)
-    assert "name" in data_module._load_raw(str(src), "train").features["messages"].feature  # a struct, from pyarrow
-    monkeypatch.setattr(data_module, "_json_lines", lambda files: None)
+    assert "name" in sources_module.load_raw(str(src), "train").features["messages"].feature  # a struct, from pyarrow
+    monkeypatch.setattr(sources_module, "_json_lines", lambda files: None)
     slow = tokenize_dataset(cache_dir=tmp_path / "slow", **kw)
     assert load_from_disk(fast.path).with_format(None)[:] == load_from_disk(slow.path).with_format(None)[:]
     assert fast.audit == slow.audit and fast.num_tokens == slow.num_tokens > 0
