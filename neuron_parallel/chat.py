@@ -24,6 +24,11 @@ compared; any difference turns layouts off for the renderer's life. What none of
 sees: a cut whose rendering depends on a content in a way the whole rendering does not show (a
 generation prompt that depends on the last message's text, say) in a conversation after the
 first ones (no shipped template does that).
+
+A template whose source shows that it reads each content only to write it, as it is or trimmed
+(:func:`writes_contents`), renders every conversation of one shape as that shape's layout with
+the contents in place: such a conversation is written from its layout, and its cuts read from
+it, without rendering it (the first conversations are rendered too, and compared).
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ PROBE = 8
 """Conversations of the first batch rendered the slow way as well, to check the compiled template's
 renderings and the layouts' cuts."""
 MAX_LAYOUTS = 4096
+CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})
+"""Functions a template may call and still have its conversations written from layouts: none of
+them depends on anything but its arguments (``strftime_now`` reads the clock, ``lipsum`` draws)."""
+FILTERS_OFF = frozenset({"random", "map", "select", "reject", "selectattr", "rejectattr"})
+"""Jinja's filters left out: one draws, the others apply filters and tests named by strings."""
 
 
 class ChatRenderer:
@@ -52,6 +62,7 @@ class ChatRenderer:
         self._compiled = None  # the fast path: None untried, False unavailable (see _render_fast)
         self._layouts: dict | None = {}  # None: layouts turned off (the probe found a difference)
         self._probed = False
+        self._writes: bool | None = None  # writes_contents of the compiled template; None: not yet known
 
     def render(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
         """Render ``conversations`` in one batch (the per-call work is paid once); when the
@@ -145,6 +156,61 @@ class ChatRenderer:
                 return [None] * len(conversations)
         return out
 
+    def render_cuts(
+        self, conversations: list[list[dict]], wheres: list[str], cuts: list[list[tuple[int, bool]] | None]
+    ) -> tuple[list[str], list[list[int] | None]]:
+        """Each conversation rendered as :meth:`render` renders it without the generation prompt,
+        and its :meth:`cut_lengths` for ``cuts[i]`` (``None`` cuts: none asked, the answer
+        ``None``). Where the template :func:`writes_contents`, a conversation of a shape with a
+        layout is written from the layout, cut lengths and all, without rendering it; the first
+        batch's first conversations are rendered as well, and any difference turns layouts off."""
+        if not conversations:
+            return [], []
+        texts: list = [None] * len(conversations)
+        found: list = [None] * len(conversations)
+        if self._layouts is not None and self._writes is None:
+            self.render(conversations[:1], wheres[:1], False)  # compiles the template and checks it
+            self._writes = bool(self._compiled) and writes_contents(self._compiled.environment, self.template)
+        if self._layouts is not None and self._writes:
+            for i, (messages, want) in enumerate(zip(conversations, cuts)):
+                layout = self._layout(messages, want or [])
+                if layout is not None:
+                    texts[i], lengths = layout.write(messages)
+                    found[i] = lengths if want is not None else None
+            if not self._probed and not self._written_agree(conversations, wheres, cuts, texts, found):
+                self._layouts = None
+                texts, found = [None] * len(conversations), [None] * len(conversations)
+            self._probed = True
+        rest = [i for i, text in enumerate(texts) if text is None]
+        if rest:
+            full = self.render([conversations[i] for i in rest], [wheres[i] for i in rest], False)
+            asked = [(i, text) for i, text in zip(rest, full) if cuts[i] is not None]
+            lengths = self.cut_lengths(
+                [conversations[i] for i, _ in asked], [text for _, text in asked], [cuts[i] for i, _ in asked]
+            )
+            for i, text in zip(rest, full):
+                texts[i] = text
+            for (i, _), n in zip(asked, lengths):
+                found[i] = n
+        return texts, found
+
+    def _written_agree(self, conversations, wheres, cuts, texts, found) -> bool:
+        """Whether the first conversations written from layouts are their renderings, and the cut
+        lengths found in them those of the cuts rendered."""
+        probe = [i for i, text in enumerate(texts[:PROBE]) if text is not None]
+        if not probe:
+            return True
+        rendered = self.render([conversations[i] for i in probe], [wheres[i] for i in probe], False)
+        if rendered != [texts[i] for i in probe]:
+            return False
+        asked = [i for i in probe if cuts[i] is not None]
+        return self._agrees(
+            [conversations[i] for i in asked],
+            [texts[i] for i in asked],
+            [cuts[i] for i in asked],
+            [found[i] for i in asked],
+        )
+
     def split_pairs(self, pairs: list[tuple[list, list, list]], wheres: list[str]) -> list[tuple[str, str, str]]:
         """Each ``(prompt, chosen, rejected)`` message lists as ``(the prompt rendered with the
         generation prompt, what rendering prompt + chosen adds to it, what prompt + rejected
@@ -154,8 +220,9 @@ class ChatRenderer:
         rejected when that starts with the same text. ValueError where a completion adds nothing
         or the prompt's rendering is not a prefix."""
         conversations = [prompt + turns for prompt, chosen, rejected in pairs for turns in (chosen, rejected)]
-        full = self.render(conversations, [where for where in wheres for _ in range(2)], False)
-        found = self.cut_lengths(conversations[::2], full[::2], [[(len(prompt), True)] for prompt, _, _ in pairs])
+        cuts = [want for prompt, _, _ in pairs for want in ([(len(prompt), True)], None)]
+        full, found = self.render_cuts(conversations, [where for where in wheres for _ in range(2)], cuts)
+        found = found[::2]
         out = []
         for k, ((prompt, _, _), where) in enumerate(zip(pairs, wheres)):
             a, b, cut = full[2 * k], full[2 * k + 1], found[k]
@@ -250,19 +317,31 @@ class _Layout:
             places.append((q, n - starts[q]))
         return cls(literals, order, edges, places)
 
-    def lengths(self, messages: list[dict], text: str) -> list[int] | None:
-        """Each cut's length in ``text``, the rendering of ``messages`` (None: it is not this
-        layout's text with the contents in place)."""
+    def _parts(self, messages: list[dict]) -> list[str]:
+        """This layout's text with the contents of ``messages`` in place, as its pieces."""
         parts = []
         for literal, i, edge in zip(self.literals, self.order, self.edges):
             content = messages[i]["content"]
             parts.append(literal)
             parts.append(content if edge is None else edge(content))
         parts.append(self.literals[-1])
-        if "".join(parts) != text:
-            return None
+        return parts
+
+    def _cut_lengths(self, parts: list[str]) -> list[int]:
         ends = list(accumulate(map(len, parts)))
         return [(ends[2 * q - 1] if q else 0) + o for q, o in self.cuts]
+
+    def lengths(self, messages: list[dict], text: str) -> list[int] | None:
+        """Each cut's length in ``text``, the rendering of ``messages`` (None: it is not this
+        layout's text with the contents in place)."""
+        parts = self._parts(messages)
+        return self._cut_lengths(parts) if "".join(parts) == text else None
+
+    def write(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """The rendering of ``messages`` and each cut's length in it, for a template that
+        :func:`writes_contents`."""
+        parts = self._parts(messages)
+        return "".join(parts), self._cut_lengths(parts)
 
 
 def _padded_starts(text: str, literals: list[str], order: list[int]):
@@ -285,3 +364,115 @@ def _padded_starts(text: str, literals: list[str], order: list[int]):
     if text[at:] != literals[-1]:
         return None
     return edges, starts
+
+
+def writes_contents(environment, source: str) -> bool:
+    """Whether the template ``source`` reads each message's content only to write it, as it is or
+    trimmed, so that its rendering of any conversation of one shape is that shape's layout with the
+    contents in place. Read from its syntax tree: every content is a term of a ``{{ }}`` expression
+    made of ``+`` and ``~`` (trimmed by a plain ``trim`` at most); ``messages`` is only looped over
+    (whole or sliced), counted, or indexed by a constant, and a message only indexed by a constant
+    key that is not a method; no test, loop condition, assignment or call sees a content; calls
+    are to :data:`CALLS` only, filters and tests Jinja's own (less :data:`FILTERS_OFF`); no macro,
+    block capture, include, import or extension node; the environment writes values as given (no
+    autoescape, no finalize). Whatever else depends on the conversation depends on its shape (the
+    roles and other fields, the layout's key). Anything it does not know answers False."""
+    from jinja2 import nodes
+    from jinja2.filters import FILTERS
+    from jinja2.tests import TESTS
+
+    if environment.autoescape is not False or environment.finalize is not None:
+        return False
+    try:
+        tree = environment.parse(source)
+    except Exception:
+        return False
+    allowed = (
+        nodes.Template, nodes.Output, nodes.TemplateData, nodes.Const, nodes.Name, nodes.Getitem, nodes.Getattr,
+        nodes.Slice, nodes.For, nodes.If, nodes.Assign, nodes.NSRef, nodes.Filter, nodes.Test, nodes.Compare,
+        nodes.Operand, nodes.BinExpr, nodes.Concat, nodes.UnaryExpr, nodes.CondExpr, nodes.Call, nodes.Keyword,
+        nodes.List, nodes.Tuple, nodes.Dict, nodes.Pair, nodes.Continue, nodes.Break,
+    )  # fmt: skip
+    parent: dict[int, nodes.Node] = {}
+    every = [tree]
+    for node in every:
+        for child in node.iter_child_nodes():
+            parent[id(child)] = node
+            every.append(child)
+
+    def listed(expr) -> bool:  # messages, whole or sliced by constants
+        if isinstance(expr, nodes.Getitem) and isinstance(expr.arg, nodes.Slice):
+            bounds = (expr.arg.start, expr.arg.stop, expr.arg.step)
+            return listed(expr.node) and all(b is None or _constant_int(b) for b in bounds)
+        return isinstance(expr, nodes.Name) and expr.name == "messages"
+
+    loops = {
+        n.target.name for n in every if isinstance(n, nodes.For) and listed(n.iter) and isinstance(n.target, nodes.Name)
+    }
+    names = loops | {"messages"}
+    keys = set(dir(dict))
+
+    def written(node) -> bool:  # a content: a term of an output expression, trimmed at most
+        up = parent[id(node)]
+        if (
+            isinstance(up, nodes.Filter)
+            and up.name == "trim"
+            and not (up.args or up.kwargs or up.dyn_args or up.dyn_kwargs)
+        ):
+            node, up = up, parent[id(up)]
+        while isinstance(up, nodes.Add | nodes.Concat):
+            node, up = up, parent[id(up)]
+        return isinstance(up, nodes.Output)
+
+    def message(node) -> bool:  # a message: indexed by a constant key, the content only written
+        up = parent[id(node)]
+        if isinstance(up, nodes.Getitem) and up.node is node and isinstance(up.arg, nodes.Const):
+            key = up.arg.value
+        elif isinstance(up, nodes.Getattr) and up.node is node:
+            key = up.attr
+        else:
+            return False
+        return isinstance(key, str) and key not in keys and (key != "content" or written(up))
+
+    for node in every:
+        if not isinstance(node, allowed):
+            return False
+        if isinstance(node, nodes.Call) and not (isinstance(node.node, nodes.Name) and node.node.name in CALLS):
+            return False
+        if isinstance(node, nodes.Filter) and (node.name not in FILTERS or node.name in FILTERS_OFF):
+            return False
+        if isinstance(node, nodes.Test) and node.name not in TESTS:
+            return False
+        if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name) and node.node.name == "loop":
+            if node.attr in ("previtem", "nextitem", "cycle"):
+                return False
+        if not isinstance(node, nodes.Name) or node.name not in names:
+            continue
+        up = parent.get(id(node))
+        if node.ctx != "load":  # bound only as a loop over messages
+            if not (isinstance(up, nodes.For) and up.target is node and listed(up.iter)):
+                return False
+        elif node.name in loops and node.name != "messages":
+            if not message(node):
+                return False
+        elif isinstance(up, nodes.For) and up.iter is node:
+            continue
+        elif isinstance(up, nodes.Getitem) and up.node is node and listed(up):
+            if not (isinstance(parent[id(up)], nodes.For) and parent[id(up)].iter is up):
+                return False
+        elif isinstance(up, nodes.Filter) and up.name == "length" and up.node is node:
+            continue
+        elif isinstance(up, nodes.Getitem) and up.node is node and _constant_int(up.arg):
+            if not message(up):
+                return False
+        else:
+            return False
+    return True
+
+
+def _constant_int(node) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Neg):
+        node = node.node
+    return isinstance(node, nodes.Const) and type(node.value) is int

@@ -173,20 +173,15 @@ def _in_memory(table, features, fingerprint: str):
 
 def _encoded_here(data: DataConfig, raw, encoder, fingerprint: str):
     """The examples of a source under ``POOL_MIN_BYTES``, encoded in this process into memory: the
-    whole source is one batch of the encoder, whose pieces keep the tokenizer busy from the first to
-    the last (``token_starts.overlapped``). ``datasets.map`` would cut it into batches of 1,000, with
-    the tokenizer idle between them, and write the examples to a cache file that the packing reads
-    back; on the tokenization benchmark's 2-core host, writing files took 0.01 to 0.4 s per 46 MB
-    from one run to the next, while a copy in memory took 0.01 s."""
-    import pyarrow as pa
-
+    whole source is one batch of the encoder (``encode_dataset``), whose pieces keep the
+    tokenizer busy from the first to the last (``token_starts.overlapped``). ``datasets.map`` would
+    cut it into batches of 1,000, with the tokenizer idle between them, and write the examples to a
+    cache file that the packing reads back; on the tokenization benchmark's 2-core host, writing
+    files took 0.01 to 0.4 s per 46 MB from one run to the next, while a copy in memory took 0.01 s."""
     features = _encoded_features(data)
     if len(raw) == 0:
         return _in_memory(features.arrow_schema.empty_table(), features, fingerprint)
-    out = encoder(raw[:], list(range(len(raw))))
-    if not isinstance(out, pa.Table):  # a slow tokenizer's id lists (text)
-        out = pa.table({"ids": pa.array(out["ids"], pa.list_(pa.int32()))})
-    return _in_memory(out, features, fingerprint)
+    return _in_memory(encoder.encode_dataset(raw.with_format(None)), features, fingerprint)
 
 
 def _examples(

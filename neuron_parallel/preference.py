@@ -35,6 +35,7 @@ runs on the same log-probabilities.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 
 from .config import DataConfig, PreferenceConfig
 from .token_starts import encode_ids, id_lists, overlapped
+from .utils import gc_paused
 
 IGNORE = -100
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
@@ -97,34 +99,45 @@ class PairEncoder:
         self.chat = ChatRenderer(tokenizer, self.template, name) if self.template is not None else None
 
     def __call__(self, batch: dict[str, list], indices: list[int]):
-        from .utils import gc_paused
+        """``datasets.map``'s batched function: a batch of Python column lists."""
+        from .sft import batch_piece
 
         with gc_paused():
-            return self._pairs(batch, indices)
+            return self._pairs(partial(batch_piece, batch), indices)
 
-    def _pairs(self, batch: dict[str, list], indices: list[int]):
+    def encode_dataset(self, dataset):
+        """Every row of ``dataset``, its three columns formatted as Python a piece at a time
+        (``sft.dataset_piece``)."""
+        from .sft import dataset_piece
+
+        with gc_paused():
+            columns = dataset.select_columns(list(dict.fromkeys(self.columns.values())))
+            return self._pairs(partial(dataset_piece, columns), range(len(dataset)))
+
+    def _pairs(self, piece, indices):
+        """``piece(a, b)``: rows ``a`` to ``b`` as Python column lists; ``indices``: their row numbers."""
         import pyarrow as pa
 
         backend = self.tokenizer.backend_tokenizer
         tables = overlapped(
             len(indices),
-            lambda a, b: self._texts(batch, indices, a, b),
+            lambda a, b: self._texts(piece(a, b), [f"{self.where} row {indices[j]}" for j in range(a, b)]),
             # Every prompt, then every chosen, then every rejected text, in one call: one dispatch.
             lambda prepared: encode_ids(backend, [t[k] for k in range(3) for t in prepared[0]]),
             lambda prepared, every: pa.table(self._columns(*prepared, every)),
         )
         return pa.concat_tables(tables)
 
-    def _texts(self, batch: dict[str, list], indices: list[int], a: int, b: int) -> tuple[list, np.ndarray]:
-        """The ``(prompt, chosen, rejected)`` texts of examples ``a`` to ``b`` of the batch, and
-        which of them are string pairs (TRL's ``tokenize_row``), the others rendered chats."""
+    def _texts(self, columns: dict[str, list], wheres: list[str]) -> tuple[list, np.ndarray]:
+        """The ``(prompt, chosen, rejected)`` texts of the rows in ``columns`` (Python column
+        lists), and which of them are string pairs (TRL's ``tokenize_row``), the others rendered
+        chats."""
         c = self.columns
-        texts: list = [None] * (b - a)
+        texts: list = [None] * len(wheres)
         chats: list[tuple[int, list[dict], list[dict], list[dict], str]] = []
-        for j in range(a, b):
-            where = f"{self.where} row {indices[j]}"
-            prompt = batch[c["prompt"]][j]
-            chosen, rejected = batch[c["chosen"]][j], batch[c["rejected"]][j]
+        for j, (where, prompt, chosen, rejected) in enumerate(
+            zip(wheres, columns[c["prompt"]], columns[c["chosen"]], columns[c["rejected"]])
+        ):
             for role, value in (("chosen", chosen), ("rejected", rejected)):
                 if value in (None, "", []):
                     raise ValueError(
@@ -132,9 +145,9 @@ class PairEncoder:
                         f"non-empty chosen and rejected completion: fix or remove the row"
                     )
             if isinstance(prompt, list):
-                chats.append((j - a, *self._chat_pair(prompt, chosen, rejected, where), where))
+                chats.append((j, *self._chat_pair(prompt, chosen, rejected, where), where))
             elif isinstance(prompt, str | None) and isinstance(chosen, str) and isinstance(rejected, str):
-                texts[j - a] = (prompt or "", chosen, rejected)
+                texts[j] = (prompt or "", chosen, rejected)
             else:
                 raise ValueError(
                     f"{where}: a pair's prompt, chosen and rejected values must be strings, or chat message lists "

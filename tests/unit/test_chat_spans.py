@@ -2,8 +2,9 @@
 (``neuron_parallel.chat``) are those of their definition, the renderings of the prefixes: compared
 on varied conversations (system prompts, several turns, tool turns, empty and whitespace contents,
 contents that look like template markers) with both shipped templates and the Qwen2 tokenizer's own;
-templates whose layout cannot vouch for a conversation fall back to rendering its prefixes; the
-batch mask equals the per-example one."""
+templates whose layout cannot vouch for a conversation fall back to rendering its prefixes; a
+template that only writes its contents has its conversations written from layouts, equal to their
+renderings, and one that reads them does not; the batch mask equals the per-example one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from neuron_parallel.chat import writes_contents
 from neuron_parallel.config import DataConfig
 from neuron_parallel.preference import PairEncoder
 from neuron_parallel.sft import Encoder, in_spans, masked_table
@@ -79,11 +81,70 @@ def test_spans_from_one_rendering_are_those_of_the_rendered_prefixes(tiny_world,
     wheres = [f"row {i}" for i in range(len(convs))]
     got = render.chats(convs, wheres)
     texts = [text for text, _ in got]
+    assert texts == tokenizer.apply_chat_template(convs, tokenize=False, chat_template=render.template)
     assert [spans for _, spans in got] == render._rendered_spans(convs, wheres, texts)
+    # These templates (the Qwen2 tokenizer's is ChatML) only write their contents: the conversations
+    # were written from layouts.
+    assert render.chat._writes is True
     # What was compared is the one-rendering path: the layouts vouched for every conversation.
     found = render.chat.cut_lengths(convs, texts, [_cuts(c) for c in convs])
     assert render.chat._layouts is not None and all(f is not None for f in found)
     assert len(render.chat._layouts) < len(convs)  # one layout per conversation shape
+
+
+WRITES = {
+    "system first": (
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] | trim }}{% endif %}{% for m in "
+        "messages[1:] %}{{ '<' + m.role + '>' ~ m.content }}{% endfor %}{% if add_generation_prompt %}A{% endif %}"
+    ),
+    "counted, last role": (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if messages[-1]['role'] != 'assistant' %}x"
+        "{% endif %}{{ messages | length }}"
+    ),
+}
+READS = {
+    "tested": "{% for m in messages %}{% if m['content'] %}{{ m['content'] }}{% endif %}{% endfor %}",
+    "assigned": "{% for m in messages %}{% set c = m['content'] %}{{ c }}{% endfor %}",
+    "method": "{% for m in messages %}{{ m['content'].strip() }}{% endfor %}",
+    "filtered": "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
+    "counted": "{% for m in messages %}{{ m['content'] | length }}{% endfor %}",
+    "searched": "{% for m in messages %}{% if 'x' in m.content %}y{% endif %}{{ m.content }}{% endfor %}",
+    "clock": "{{ strftime_now('%d') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "as json": "{{ messages | tojson }}",
+    "by a variable": "{% for m in messages %}{{ messages[loop.index0]['content'] }}{% endfor %}",
+    "previous item": "{% for m in messages %}{{ loop.previtem }}{{ m['content'] }}{% endfor %}",
+    "get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "dict method": "{% for m in messages %}{{ m.items }}{% endfor %}",
+    "captured": "{% for m in messages %}{% set x %}{{ m['content'] }}{% endset %}{{ x }}{% endfor %}",
+    "conditional": "{% for m in messages %}{{ m['content'] if m['role'] == 'user' else '' }}{% endfor %}",
+    "loop condition": "{% for m in messages if m['content'] %}{{ m['content'] }}{% endfor %}",
+    "trimmed with text": "{% for m in messages %}{{ ('x' + m['content']) | trim }}{% endfor %}",
+    "rebound": "{% set messages = messages[1:] %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "macro": "{% macro f(x) %}{{ x }}{% endmacro %}{% for m in messages %}{{ f(m['content']) }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", [*WRITES, *READS, "chatml", "llama3"])
+def test_templates_that_only_write_contents_are_told_apart(tiny_world, name):
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    source = {**WRITES, **READS}.get(name) or (TEMPLATES / f"{name}.jinja").read_text()
+    assert writes_contents(_compile_jinja_template(source).environment, source) is (name not in READS)
+
+
+def test_written_conversations_that_differ_from_their_renderings_turn_layouts_off(tiny_world, monkeypatch):
+    from neuron_parallel import chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    render = _renderer(tokenizer, str(TEMPLATES / "llama3.jinja"))
+    write = chat._Layout.write
+    monkeypatch.setattr(chat._Layout, "write", lambda self, messages: (write(self, messages)[0] + " ", [0]))
+    convs = conversations(4, 40)
+    got = render.chats(convs, ["row"] * len(convs))
+    assert [text for text, _ in got] == tokenizer.apply_chat_template(
+        convs, tokenize=False, chat_template=render.template
+    )
+    assert render.chat._writes is True and render.chat._layouts is None
 
 
 ODD = {
