@@ -341,7 +341,7 @@ class _Layout:
         """The rendering of ``messages`` and each cut's length in it, for a template that
         :func:`writes_contents`."""
         parts = self._parts(messages)
-        return "".join(parts), self._cut_lengths(parts)
+        return "".join(parts), self._cut_lengths(parts) if self.cuts else []
 
 
 def _padded_starts(text: str, literals: list[str], order: list[int]):

@@ -12,7 +12,8 @@ its first character lies in a trained span. Formats:
   turn of a multi-turn conversation is trained (its end marker included) and every system, user
   and tool turn is masked. A template for which those renderings are not prefixes of one another
   is refused. Where they end is read from the one rendering of the whole conversation when its
-  layout vouches for that (``neuron_parallel.chat``); otherwise they are rendered.
+  layout vouches for that (``neuron_parallel.chat``); otherwise they are rendered. With a template
+  that only writes its contents (the shipped ones), that rendering is written from the layout.
 - ``instruction``: with a chat template (``data.chat_template`` or the tokenizer's), a two-turn
   chat: user = instruction, plus two newlines and the input when it is not empty; assistant =
   response. Without one, the plain prompt ``### Instruction:\\n{instruction}\\n\\n### Input:\\n
