@@ -98,6 +98,14 @@ _MESSAGES_FIX = "each row needs a non-empty list of {role, content} with a role 
 def check_messages(messages: Any, where: str) -> list[dict]:
     """``messages`` as a list of ``{role, content}``, or a ValueError naming the row, the problem and
     the fix."""
+    if type(messages) is list and messages:  # the common case, checked in one cheaper pass
+        for m in messages:
+            if type(m) is not dict or m.get("role") not in ROLES or type(m.get("content")) is not str:
+                break
+            if None in m.values():
+                break
+        else:
+            return messages
     fix = _MESSAGES_FIX
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: the conversation is {'empty' if messages in ([], None) else 'not a list'}; {fix}")
