@@ -48,8 +48,11 @@ MAX_LAYOUTS = 4096
 CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})
 """Functions a template may call and still have its conversations written from layouts: none of
 them depends on anything but its arguments (``strftime_now`` reads the clock, ``lipsum`` draws)."""
-FILTERS_OFF = frozenset({"random", "map", "select", "reject", "selectattr", "rejectattr"})
-"""Jinja's filters left out: one draws, the others apply filters and tests named by strings."""
+FILTERS_OFF = frozenset({"random", "attr", "map", "select", "reject", "selectattr", "rejectattr"})
+"""Jinja's filters left out: one draws, one reads an attribute named by a string, the others apply
+filters and tests named by strings."""
+LOOP_OFF = frozenset({"previtem", "nextitem", "cycle", "changed"})
+"""What of a loop's ``loop`` is left out: the items before and after (messages), and its calls."""
 
 
 class ChatRenderer:
@@ -443,8 +446,9 @@ def writes_contents(environment, source: str) -> bool:
             return False
         if isinstance(node, nodes.Test) and node.name not in TESTS:
             return False
-        if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name) and node.node.name == "loop":
-            if node.attr in ("previtem", "nextitem", "cycle"):
+        if isinstance(node, nodes.Getattr | nodes.Getitem) and isinstance(node.node, nodes.Name):
+            key = node.attr if isinstance(node, nodes.Getattr) else getattr(node.arg, "value", None)
+            if node.node.name == "loop" and (key in LOOP_OFF or not isinstance(key, str)):
                 return False
         if not isinstance(node, nodes.Name) or node.name not in names:
             continue

@@ -113,6 +113,11 @@ READS = {
     "as json": "{{ messages | tojson }}",
     "by a variable": "{% for m in messages %}{{ messages[loop.index0]['content'] }}{% endfor %}",
     "previous item": "{% for m in messages %}{{ loop.previtem }}{{ m['content'] }}{% endfor %}",
+    "previous item's content": (
+        "{% for m in messages %}{% if loop['previtem'] and loop['previtem']['content'] %}x{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    ),
+    "next item by attr": "{% for m in messages %}{{ (loop | attr('nextitem')) is none }}{{ m['content'] }}{% endfor %}",
     "get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
     "dict method": "{% for m in messages %}{{ m.items }}{% endfor %}",
     "captured": "{% for m in messages %}{% set x %}{{ m['content'] }}{% endset %}{{ x }}{% endfor %}",
