@@ -66,6 +66,7 @@ class ChatRenderer:
         self._layouts: dict | None = {}  # None: layouts turned off (the probe found a difference)
         self._probed = False
         self._writes: bool | None = None  # writes_contents of the compiled template; None: not yet known
+        self._written_probed = False  # conversations written from layouts were compared with renderings
 
     def render(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
         """Render ``conversations`` in one batch (the per-call work is paid once); when the
@@ -180,10 +181,11 @@ class ChatRenderer:
                 if layout is not None:
                     texts[i], lengths = layout.write(messages)
                     found[i] = lengths if want is not None else None
-            if not self._probed and not self._written_agree(conversations, wheres, cuts, texts, found):
+            agree = None if self._written_probed else self._written_agree(conversations, wheres, cuts, texts, found)
+            if agree is False:
                 self._layouts = None
                 texts, found = [None] * len(conversations), [None] * len(conversations)
-            self._probed = True
+            self._written_probed = self._written_probed or agree is True
         rest = [i for i, text in enumerate(texts) if text is None]
         if rest:
             full = self.render([conversations[i] for i in rest], [wheres[i] for i in rest], False)
@@ -197,12 +199,12 @@ class ChatRenderer:
                 found[i] = n
         return texts, found
 
-    def _written_agree(self, conversations, wheres, cuts, texts, found) -> bool:
+    def _written_agree(self, conversations, wheres, cuts, texts, found) -> bool | None:
         """Whether the first conversations written from layouts are their renderings, and the cut
-        lengths found in them those of the cuts rendered."""
+        lengths found in them those of the cuts rendered (None: none of them was written)."""
         probe = [i for i, text in enumerate(texts[:PROBE]) if text is not None]
         if not probe:
-            return True
+            return None
         rendered = self.render([conversations[i] for i in probe], [wheres[i] for i in probe], False)
         if rendered != [texts[i] for i in probe]:
             return False
