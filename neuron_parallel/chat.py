@@ -94,8 +94,16 @@ class ChatRenderer:
         conversations of a few turns); these messages are already plain dicts of strings, which
         that preparation leaves as they are. Checked against ``apply_chat_template`` on the first
         batch: any difference, or a transformers without the compiler, keeps the slow path."""
-        if self._compiled is False:
+        if not self._compile(conversations, generation):
             return None
+        try:
+            return self._fast(conversations, generation)
+        except Exception:
+            return None  # the slow path renders them again and names a refused row
+
+    def _compile(self, conversations: list[list[dict]], generation: bool) -> bool:
+        """Whether the compiled template is in use: compiled on the first call and checked against
+        ``apply_chat_template`` on the first :data:`PROBE` of ``conversations``."""
         if self._compiled is None:
             try:
                 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -103,7 +111,7 @@ class ChatRenderer:
                 self._compiled = _compile_jinja_template(self.template)
             except Exception:
                 self._compiled = False
-                return None
+                return False
             probe = conversations[:PROBE]
             try:
                 slow = self.tokenizer.apply_chat_template(probe, **self._template_kw(generation))
@@ -112,11 +120,7 @@ class ChatRenderer:
                 same = False
             if not same:
                 self._compiled = False
-                return None
-        try:
-            return self._fast(conversations, generation)
-        except Exception:
-            return None  # the slow path renders them again and names a refused row
+        return self._compiled is not False
 
     def _fast(self, conversations: list[list[dict]], generation: bool) -> list[str]:
         """What ``Template.render(messages=..., add_generation_prompt=..., **special tokens)``
@@ -173,8 +177,8 @@ class ChatRenderer:
         texts: list = [None] * len(conversations)
         found: list = [None] * len(conversations)
         if self._layouts is not None and self._writes is None:
-            self.render(conversations[:1], wheres[:1], False)  # compiles the template and checks it
-            self._writes = bool(self._compiled) and writes_contents(self._compiled.environment, self.template)
+            compiled = all(conversations[:PROBE]) and self._compile(conversations, False)
+            self._writes = compiled and writes_contents(self._compiled.environment, self.template)
         if self._layouts is not None and self._writes:
             for i, (messages, want) in enumerate(zip(conversations, cuts)):
                 layout = self._layout(messages, want or [])

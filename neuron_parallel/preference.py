@@ -111,7 +111,7 @@ class PairEncoder:
         from .sft import dataset_piece
 
         with gc_paused():
-            columns = dataset.select_columns(list(dict.fromkeys(self.columns.values())))
+            columns = dataset.select_columns(list(set(self.columns.values())))
             return self._pairs(partial(dataset_piece, columns), range(len(dataset)))
 
     def _pairs(self, piece, indices):

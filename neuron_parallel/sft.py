@@ -256,12 +256,8 @@ class Encoder:
         """Every row of ``dataset``, the columns this format reads formatted as Python a piece at a
         time (:func:`dataset_piece`), as the piece is prepared."""
         with gc_paused():
-            return self._encode(partial(dataset_piece, dataset.select_columns(list(self.needed))), range(len(dataset)))
-
-    @property
-    def needed(self) -> set[str]:
-        """The columns this format reads."""
-        return {c for c in self.columns.values() if c is not None}
+            columns = dataset.select_columns([c for c in self.columns.values() if c is not None])
+            return self._encode(partial(dataset_piece, columns), range(len(dataset)))
 
     def _encode(self, piece, indices):
         """``piece(a, b)``: rows ``a`` to ``b`` as Python column lists; ``indices``: their row numbers."""
