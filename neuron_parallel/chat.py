@@ -45,6 +45,9 @@ PROBE = 8
 """Conversations of the first batch rendered the slow way as well, to check the compiled template's
 renderings and the layouts' cuts."""
 MAX_LAYOUTS = 4096
+Flat = tuple[list[str], list[str], list[int]]
+"""Messages of several conversations as flat columns: roles, contents, and each conversation's
+first message (one more at the end: where the last one ends)."""
 CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})
 """Functions a template may call and still have its conversations written from layouts: none of
 them depends on anything but its arguments (``strftime_now`` reads the clock, ``lipsum`` draws)."""
@@ -67,6 +70,8 @@ class ChatRenderer:
         self._probed = False
         self._writes: bool | None = None  # writes_contents of the compiled template; None: not yet known
         self._written_probed = False  # conversations written from layouts were compared with renderings
+        self._pair_plans: dict = {}  # split_flat_pairs: per (prompt, chosen, rejected) roles, its layouts or None
+        self._pairs_probed = False  # pairs written by split_flat_pairs were compared with renderings
 
     def render(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
         """Render ``conversations`` in one batch (the per-call work is paid once); when the
@@ -176,10 +181,7 @@ class ChatRenderer:
             return [], []
         texts: list = [None] * len(conversations)
         found: list = [None] * len(conversations)
-        if self._layouts is not None and self._writes is None:
-            compiled = all(conversations[:PROBE]) and self._compile(conversations, False)
-            self._writes = compiled and writes_contents(self._compiled.environment, self.template)
-        if self._layouts is not None and self._writes:
+        if self._layouts is not None and self._written(conversations):
             for i, (messages, want) in enumerate(zip(conversations, cuts)):
                 layout = self._layout(messages, want or [])
                 if layout is not None:
@@ -202,6 +204,14 @@ class ChatRenderer:
             for (i, _), n in zip(asked, lengths):
                 found[i] = n
         return texts, found
+
+    def _written(self, conversations: list[list[dict]]) -> bool:
+        """Whether conversations are written from layouts: the template compiles (checked on the
+        first ``conversations``) and :func:`writes_contents`; decided on the first call."""
+        if self._writes is None:
+            compiled = all(conversations[:PROBE]) and self._compile(conversations, False)
+            self._writes = compiled and writes_contents(self._compiled.environment, self.template)
+        return self._writes
 
     def _written_agree(self, conversations, wheres, cuts, texts, found) -> bool | None:
         """Whether the first conversations written from layouts are their renderings, and the cut
@@ -249,6 +259,85 @@ class ChatRenderer:
                     )
             out.append((head, a[len(head) :], b[len(head) :]))
         return out
+
+    def split_flat_pairs(self, prompts: Flat, chosen: Flat, rejected: Flat, wheres: list[str]) -> list:
+        """:meth:`split_pairs` of pairs whose messages are plain ``{role, content}`` given as flat
+        columns, ``(roles, contents, offsets)`` each (pair ``i``'s prompt is messages
+        ``offsets[i]`` to ``offsets[i + 1]`` of the prompts', and so on), for a template that
+        :func:`writes_contents`: each pair written from the layouts of prompt + chosen (cut after
+        the prompt) and prompt + rejected, the prompt once, without a message dictionary per
+        message or a second writing and search of the prompt. The two layouts are checked once,
+        per shape, to write the same text before the cut. ``None`` for a pair not written so (no
+        layouts, a completion that adds nothing): the caller passes it to :meth:`split_pairs`,
+        which renders it and names a refusal. The first pairs written are also rendered and
+        compared; any difference turns layouts off."""
+        out: list = [None] * len(wheres)
+        if self._layouts is None or not wheres:
+            return out
+        if self._writes is None:
+            self._written([_messages(prompts, i) + _messages(chosen, i) for i in range(min(PROBE, len(wheres)))])
+        if not self._writes:
+            return out
+        (p_roles, p_text, p_at), (c_roles, c_text, c_at), (r_roles, r_text, r_at) = prompts, chosen, rejected
+        plans = self._pair_plans
+        for i in range(len(wheres)):
+            a, b, c, d, e, f = p_at[i], p_at[i + 1], c_at[i], c_at[i + 1], r_at[i], r_at[i + 1]
+            key = (tuple(p_roles[a:b]), tuple(c_roles[c:d]), tuple(r_roles[e:f]))
+            plan = plans.get(key, False)
+            if plan is False:
+                if len(plans) >= MAX_LAYOUTS:
+                    plans.clear()
+                plan = plans[key] = self._pair_plan(*key)
+            if plan is None:
+                continue
+            chosen_layout, rejected_layout, q, o = plan
+            contents = p_text[a:b]
+            parts = chosen_layout.parts(contents + c_text[c:d])
+            tail = rejected_layout.parts(contents + r_text[e:f], 2 * q)
+            tail[0] = tail[0][o:]
+            cut = parts[2 * q]
+            pair = ("".join(parts[: 2 * q]) + cut[:o], cut[o:] + "".join(parts[2 * q + 1 :]), "".join(tail))
+            if pair[1] and pair[2]:
+                out[i] = pair
+        if not self._pairs_probed:
+            probe = [i for i, pair in enumerate(out[:PROBE]) if pair is not None]
+            if probe:
+                self._pairs_probed = True
+                if not all(self._pair_agrees(prompts, chosen, rejected, i, out[i], wheres[i]) for i in probe):
+                    self._layouts = None
+                    return [None] * len(wheres)
+        return out
+
+    def _pair_plan(self, prompt: tuple, chosen: tuple, rejected: tuple):
+        """``(layout of prompt + chosen with its cut after the prompt, layout of prompt + rejected,
+        the cut's place)`` for pairs of these roles, or None: no layouts, or not the same text
+        before that place in both (then prompt + rejected does not start with the prompt's
+        rendering as prompt + chosen does)."""
+        head = [{"role": role, "content": ""} for role in prompt]
+        chosen_layout = self._layout(head + [{"role": role, "content": ""} for role in chosen], [(len(head), True)])
+        rejected_layout = self._layout(head + [{"role": role, "content": ""} for role in rejected], [])
+        if chosen_layout is None or rejected_layout is None:
+            return None
+        ((q, o),) = chosen_layout.cuts
+        same = (
+            q < len(rejected_layout.literals)
+            and chosen_layout.order[:q] == rejected_layout.order[:q]
+            and chosen_layout.edges[:q] == rejected_layout.edges[:q]
+            and chosen_layout.literals[:q] == rejected_layout.literals[:q]
+            and chosen_layout.literals[q][:o] == rejected_layout.literals[q][:o]
+        )
+        return (chosen_layout, rejected_layout, q, o) if same else None
+
+    def _pair_agrees(self, prompts: Flat, chosen: Flat, rejected: Flat, i: int, pair: tuple, where: str) -> bool:
+        """Whether pair ``i`` written as ``pair`` is the prompt rendered with the generation prompt
+        and what rendering prompt + chosen and prompt + rejected adds to it."""
+        prompt = _messages(prompts, i)
+        try:
+            head = self.render([prompt], [where], True)[0]
+            full = self.render([prompt + _messages(chosen, i), prompt + _messages(rejected, i)], [where] * 2, False)
+        except ValueError:
+            return False
+        return (head, full[0], full[1]) == (pair[0], pair[0] + pair[1], pair[0] + pair[2])
 
     def _layout(self, messages: list[dict], cuts: list[tuple[int, bool]]) -> _Layout | None:
         try:
@@ -328,9 +417,15 @@ class _Layout:
 
     def _parts(self, messages: list[dict]) -> list[str]:
         """This layout's text with the contents of ``messages`` in place, as its pieces."""
+        return self.parts([m["content"] for m in messages])
+
+    def parts(self, contents: list[str], start: int = 0) -> list[str]:
+        """This layout's text with the messages' ``contents`` in place, as its pieces (literals at
+        even places), from piece ``start`` (even) on."""
+        q = start // 2
         parts = []
-        for literal, i, edge in zip(self.literals, self.order, self.edges):
-            content = messages[i]["content"]
+        for literal, i, edge in zip(self.literals[q:], self.order[q:], self.edges[q:]):
+            content = contents[i]
             parts.append(literal)
             parts.append(content if edge is None else edge(content))
         parts.append(self.literals[-1])
@@ -486,3 +581,9 @@ def _constant_int(node) -> bool:
     if isinstance(node, nodes.Neg):
         node = node.node
     return isinstance(node, nodes.Const) and type(node.value) is int
+
+
+def _messages(flat: Flat, i: int) -> list[dict]:
+    """Conversation ``i`` of ``flat`` as message dictionaries."""
+    roles, contents, at = flat
+    return [{"role": r, "content": c} for r, c in zip(roles[at[i] : at[i + 1]], contents[at[i] : at[i + 1]])]

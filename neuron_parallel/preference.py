@@ -112,7 +112,16 @@ class PairEncoder:
 
         with gc_paused():
             columns = dataset.select_columns(list(set(self.columns.values())))
-            return self._pairs(partial(dataset_piece, columns), range(len(dataset)))
+            piece = partial(dataset_piece, columns)
+            types = dict(zip(columns.data.schema.names, columns.data.schema.types))
+            c = self.columns
+            if (
+                self.chat is not None
+                and _plain_chat(types[c["prompt"]], False)
+                and all(_plain_chat(types[c[role]], True) for role in ("chosen", "rejected"))
+            ):  # message lists of role and content only: pieces stay Arrow (_flat_texts)
+                piece = partial(_arrow_piece, columns.with_format("arrow"))
+            return self._pairs(piece, range(len(dataset)))
 
     def _pairs(self, piece, indices):
         """``piece(a, b)``: rows ``a`` to ``b`` as Python column lists; ``indices``: their row numbers."""
@@ -128,10 +137,15 @@ class PairEncoder:
         )
         return pa.concat_tables(tables)
 
-    def _texts(self, columns: dict[str, list], wheres: list[str]) -> tuple[list, np.ndarray]:
+    def _texts(self, columns, wheres: list[str]) -> tuple[list, np.ndarray]:
         """The ``(prompt, chosen, rejected)`` texts of the rows in ``columns`` (Python column
-        lists), and which of them are string pairs (TRL's ``tokenize_row``), the others rendered
-        chats."""
+        lists, or an Arrow table of plain message lists), and which of them are string pairs
+        (TRL's ``tokenize_row``), the others rendered chats."""
+        if not isinstance(columns, dict):
+            texts = self._flat_texts(columns, wheres)
+            if texts is not None:
+                return texts, np.zeros(len(wheres), dtype=bool)
+            columns = columns.to_pydict()
         c = self.columns
         texts: list = [None] * len(wheres)
         chats: list[tuple[int, list[dict], list[dict], list[dict], str]] = []
@@ -160,6 +174,24 @@ class PairEncoder:
             for (j, *_), rendered in zip(chats, split):
                 texts[j] = rendered
         return texts, plain
+
+    def _flat_texts(self, table, wheres: list[str]) -> list | None:
+        """The texts of an Arrow piece of chat pairs whose messages are role and content only,
+        read as flat columns (``ChatRenderer.split_flat_pairs``): no dictionary per message, no
+        check per message (Arrow's are per column). None where a value is missing or empty or a
+        role unknown: the Python path names the row. Pairs not written from layouts go that way
+        too."""
+        c = self.columns
+        flats = [_flat_messages(table.column(c[role])) for role in ("prompt", "chosen", "rejected")]
+        if any(flat is None for flat in flats):
+            return None
+        texts = self.chat.split_flat_pairs(*flats, wheres)
+        rest = [j for j, text in enumerate(texts) if text is None]
+        if rest:
+            done, _ = self._texts(table.take(rest).to_pydict(), [wheres[j] for j in rest])
+            for j, text in zip(rest, done):
+                texts[j] = text
+        return texts
 
     def _columns(self, texts: list, plain: np.ndarray, every: list) -> dict:
         """The ``prompt``, ``chosen`` and ``rejected`` id lists of ``texts`` from their encodings
@@ -190,6 +222,54 @@ class PairEncoder:
             turns = [{"role": "assistant", "content": value}] if isinstance(value, str) else value
             out.append(check_messages(turns, f"{where} ({role})"))
         return out[0], out[1], out[2]
+
+
+def _arrow_piece(dataset, a: int, b: int):
+    """Rows ``a`` to ``b`` of a ``datasets.Dataset`` in Arrow format, as a ``pyarrow.Table``."""
+    return dataset[a:b]
+
+
+def _plain_chat(kind, completion: bool) -> bool:
+    """Whether Arrow type ``kind`` is a list of messages of a string role and content and nothing
+    else (or, for a ``completion``, a string)."""
+    import pyarrow as pa
+
+    if completion and pa.types.is_string(kind):
+        return True
+    if not pa.types.is_list(kind) or not pa.types.is_struct(kind.value_type):
+        return False
+    fields = {f.name: f.type for f in kind.value_type}
+    return set(fields) == {"role", "content"} and all(pa.types.is_string(t) for t in fields.values())
+
+
+def _flat_messages(column):
+    """A column of :func:`_plain_chat` values as ``chat.Flat`` (a string: one assistant message),
+    or None where a value or message is missing, a value is empty, or a role is not one of
+    ``sft.ROLES``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from .sft import ROLES
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(column)
+    if column.null_count:
+        return None
+    if pa.types.is_string(column.type):
+        if n and pc.min(pc.utf8_length(column)).as_py() == 0:
+            return None
+        return ["assistant"] * n, column.to_pylist(), list(range(n + 1))
+    if n and pc.min(pc.list_value_length(column)).as_py() == 0:
+        return None
+    messages = column.flatten()
+    kind = messages.type
+    role, content = (messages.flatten()[kind.get_field_index(name)] for name in ("role", "content"))
+    if messages.null_count or role.null_count or content.null_count:
+        return None
+    if not pc.all(pc.is_in(role, value_set=pa.array(ROLES))).as_py():
+        return None
+    offsets = column.offsets.to_numpy()
+    return role.to_pylist(), content.to_pylist(), (offsets - offsets[0]).tolist()
 
 
 def pair_features():

@@ -261,3 +261,78 @@ def test_chat_pairs_split_as_their_rendered_prompt_does(tiny_world, template):
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     assert got["prompt"][-1] == bos + tokenizer("How?", add_special_tokens=False)["input_ids"]
     assert got["chosen"][-1][-1] == got["rejected"][-1][-1] == tokenizer.eos_token_id
+
+
+def _pair_dataset(rows: list[dict], chosen_as_list: bool):
+    """``rows`` as an Arrow-backed dataset of message lists (columns of one type each): chosen a
+    message list and rejected a string, or the other way round."""
+    from datasets import Dataset
+
+    def messages(value):
+        return value if isinstance(value, list) else [{"role": "assistant", "content": value}]
+
+    def text(value):
+        return value if isinstance(value, str) else "".join(m["content"] for m in value)
+
+    return Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "chosen": messages(r["chosen"]) if chosen_as_list else text(r["chosen"]),
+                "rejected": text(r["rejected"]) if chosen_as_list else messages(r["rejected"]),
+            }
+            for r in rows
+        ]
+    )
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "own"])
+@pytest.mark.parametrize("chosen_as_list", [True, False])
+def test_chat_pairs_read_as_flat_columns_split_as_their_rendered_prompt_does(tiny_world, template, chosen_as_list):
+    tokenizer, path = _tokenizer_and_template(tiny_world, template)
+    data = DataConfig(source="unused.jsonl", format="preference", chat_template=path, block_size=1024)
+    columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    dataset = _pair_dataset(_pairs(5, 300), chosen_as_list)
+    fast, slow = PairEncoder(data, tokenizer, columns, "src"), PairEncoder(data, tokenizer, columns, "src")
+    slow.chat._layouts = None  # every pair's prompt rendered on its own, from Python rows
+    got = fast.encode_dataset(dataset).to_pydict()
+    assert got == slow(dataset.to_dict(), list(range(len(dataset)))).to_pydict()
+    assert fast.chat._pairs_probed and fast.chat._layouts  # written from layouts, probed, kept on
+
+
+def test_flat_pairs_written_unlike_their_renderings_turn_layouts_off(tiny_world, monkeypatch):
+    from neuron_parallel import chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    data = DataConfig(source="unused.jsonl", format="preference", chat_template=str(TEMPLATES / "llama3.jinja"))
+    columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    dataset = _pair_dataset(_pairs(6, 60), True)
+    slow = PairEncoder(data, tokenizer, columns, "src")
+    slow.chat._layouts = None
+    want = slow(dataset.to_dict(), list(range(len(dataset)))).to_pydict()
+    parts = chat._Layout.parts
+    monkeypatch.setattr(chat._Layout, "parts", lambda self, contents, start=0: [*parts(self, contents, start), "!"])
+    fast = PairEncoder(data, tokenizer, columns, "src")
+    assert fast.encode_dataset(dataset).to_pydict() == want
+    assert fast.chat._pairs_probed and fast.chat._layouts is None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda r: r["prompt"].append({"role": "narrator", "content": "x"}), "role 'narrator'"),
+        (lambda r: r.update(chosen=""), "chosen completion"),
+        (lambda r: r.update(rejected=[]), "rejected completion"),
+        (lambda r: r["prompt"][0].update(content=None), "string content"),
+    ],
+)
+def test_flat_pairs_with_a_fault_are_refused_by_row(tiny_world, change, needle):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    data = DataConfig(source="unused.jsonl", format="preference", chat_template=str(TEMPLATES / "llama3.jinja"))
+    rows = _pair_dataset(_pairs(7, 200), False).to_list()  # rejected a message list
+    change(rows[150])
+    dataset = _pair_dataset(rows, False)
+    encoder = PairEncoder(data, tokenizer, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}, "src")
+    with pytest.raises(ValueError, match="src row 150") as refused:
+        encoder.encode_dataset(dataset)
+    assert needle in str(refused.value)
