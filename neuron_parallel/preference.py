@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DataConfig, PreferenceConfig
+from .packing import index_dtype, segments
 from .token_starts import encode_ids, id_lists, overlapped
 from .utils import gc_paused
 
@@ -299,7 +300,7 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     (``packing.segments``); only the greedy placement runs per pair. A completion token is the
     label of the position before it in its document; the first position of a document has none
     before it (an empty prompt: the first completion token is not predicted)."""
-    from .packing import _flat, _greedy, _table, in_order, index_dtype, padding_starts, segments
+    from .packing import _flat, _greedy, _table, fill_rows, in_order, padding_starts
 
     values, starts, lengths = [], [], []
     for name in ("prompt", "chosen", "rejected"):
@@ -317,7 +318,6 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
     size = 2 * p + c + r
     row, col = _greedy(size, block_size, one_per_row)
     num_rows = int(row[-1]) + 1 if len(row) else 0
-    total = num_rows * block_size
     first = np.r_[True, row[1:] != row[:-1]] if len(row) else np.zeros(0, dtype=bool)
     slot = np.arange(len(row)) - np.flatnonzero(first)[np.cumsum(first) - 1]  # the pair's place in its row
     used = np.bincount(row, weights=size, minlength=num_rows).astype(np.int32)
@@ -343,26 +343,40 @@ def pair_rows(table, *, block_size: int, pad_id: int, one_per_row: bool):
         np.r_[seg_pos[nonempty], np.zeros(pads, dtype=seg_pos.dtype)],
         np.r_[seg_id[nonempty], np.full(pads, -1, dtype=seg_id.dtype)],
     )
-    src = segments(seg_at, seg_src, total, step=1, dtype=index_dtype(n + block_size, total))
-    np.minimum(src, n, out=src)
-    input_ids = tokens.take(src)
-    positions = segments(seg_at, seg_pos, total, step=1, dtype=np.int32)  # padding counts from 0
-    segment_ids = segments(seg_at, seg_id, total, step=0, dtype=np.int32)
-    # Position t is labelled when t + 1 holds a completion token with a position before it.
-    target = segment_ids[1:] >= 0
-    target &= positions[1:] > 0
-    labels = np.full(total, IGNORE, dtype=np.int32)
-    sequence_ids = np.full(total, -1, dtype=np.int32)
-    np.copyto(labels[:-1], input_ids[1:], where=target)
-    np.copyto(sequence_ids[:-1], segment_ids[1:], where=target)
     counts = {
         "_kept": np.bincount(row, minlength=num_rows),
         "_truncated": np.bincount(row, weights=cut > 0, minlength=num_rows),
         "_tokens": used,
         "_trained": np.bincount(row, weights=c + r - 2 * (p == 0), minlength=num_rows),
     }
-    rows = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "sequence_ids": sequence_ids}
-    return _table(block_size, counts, **rows)
+    fill = partial(_fill_pairs, tokens, block_size, seg_at, seg_src, seg_pos, seg_id)
+    return _table(block_size, counts, **fill_rows(fill, ROW_COLUMNS, num_rows, block_size))
+
+
+ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sequence_ids")
+
+
+def _fill_pairs(tokens, block_size: int, seg_at, seg_src, seg_pos, seg_id, out: dict, first: int, end: int) -> None:
+    """Rows ``first`` to ``end`` of :func:`pair_rows` into ``out`` (flat rows by column), from the
+    segments of every row (``seg_at`` increasing, a row's first position always among them);
+    ``tokens[-1]`` is the padding's token."""
+    a, b = first * block_size, end * block_size
+    lo, hi = np.searchsorted(seg_at, [a, b])
+    at, total, n = seg_at[lo:hi] - a, b - a, len(tokens) - 1
+    src = segments(at, seg_src[lo:hi], total, step=1, dtype=index_dtype(n + block_size, total))
+    np.minimum(src, n, out=src)
+    input_ids, labels, positions, sequence_ids = (out[name][a:b] for name in ROW_COLUMNS)
+    tokens.take(src, out=input_ids)
+    segments(at, seg_pos[lo:hi], total, step=1, dtype=np.int32, out=positions)  # padding counts from 0
+    segment_ids = segments(at, seg_id[lo:hi], total, step=0, dtype=np.int32)
+    # Position t is labelled when t + 1 holds a completion token with a position before it; the
+    # last position of a row never is (the next row starts at position 0).
+    target = segment_ids[1:] >= 0
+    target &= positions[1:] > 0
+    labels.fill(IGNORE)
+    sequence_ids.fill(-1)
+    np.copyto(labels[:-1], input_ids[1:], where=target)
+    np.copyto(sequence_ids[:-1], segment_ids[1:], where=target)
 
 
 def pairs_per_row(sequence_ids: np.ndarray) -> np.ndarray:

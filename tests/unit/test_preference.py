@@ -301,12 +301,18 @@ def _reference_pair_rows(table, *, block_size, pad_id, one_per_row):
 
 
 @pytest.mark.parametrize("one_per_row", [False, True])
-def test_pair_rows_equal_the_pair_by_pair_rule(one_per_row):
+@pytest.mark.parametrize("fill_min_rows", [256, 1])
+def test_pair_rows_equal_the_pair_by_pair_rule(one_per_row, fill_min_rows, monkeypatch):
     """Varied pairs (fitting, truncated, dropped; prompts of one token up) in batches of several
-    Arrow chunks: the same rows, labels, sequence ids and counts, bit for bit."""
+    Arrow chunks: the same rows, labels, sequence ids and counts, bit for bit, whether the rows are
+    filled on one thread or in ranges on several (``packing.fill_rows``)."""
     import pyarrow as pa
 
+    from neuron_parallel import packing
     from neuron_parallel.preference import pair_rows
+
+    monkeypatch.setattr(packing, "FILL_MIN_ROWS", fill_min_rows)
+    monkeypatch.setattr(packing.os, "sched_getaffinity", lambda pid: set(range(4)))  # four ranges
 
     rng = np.random.default_rng(0)
     for block_size in (8, 13, 64):
