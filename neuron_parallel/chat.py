@@ -416,8 +416,16 @@ class _Layout:
         return cls(literals, order, edges, places)
 
     def _parts(self, messages: list[dict]) -> list[str]:
-        """This layout's text with the contents of ``messages`` in place, as its pieces."""
-        return self.parts([m["content"] for m in messages])
+        """This layout's text with the contents of ``messages`` in place, as its pieces. (The loop
+        of :meth:`parts`, reading each content from its message: a list of the contents first
+        would cost every conversation one more pass.)"""
+        parts = []
+        for literal, i, edge in zip(self.literals, self.order, self.edges):
+            content = messages[i]["content"]
+            parts.append(literal)
+            parts.append(content if edge is None else edge(content))
+        parts.append(self.literals[-1])
+        return parts
 
     def parts(self, contents: list[str], start: int = 0) -> list[str]:
         """This layout's text with the messages' ``contents`` in place, as its pieces (literals at
