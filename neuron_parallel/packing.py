@@ -22,10 +22,10 @@ per-row count columns (prefixed ``_``) from which ``count_columns`` sums the aud
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pyarrow as pa
+
+from .utils import usable_cores
 
 IGNORE = -100
 PACK_BATCH = 10_000
@@ -126,8 +126,7 @@ def fill_rows(fill, names: tuple[str, ...], num_rows: int, block_size: int) -> d
     from concurrent.futures import ThreadPoolExecutor
 
     out = {name: np.empty(num_rows * block_size, dtype=np.int32) for name in names}
-    parts = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    parts = max(1, min(parts, num_rows // FILL_MIN_ROWS))
+    parts = max(1, min(4, usable_cores(), num_rows // FILL_MIN_ROWS))
     bounds = np.linspace(0, num_rows, parts + 1).astype(int).tolist()
     with ThreadPoolExecutor(max(parts - 1, 1), thread_name_prefix="rows") as pool:
         done = [pool.submit(fill, out, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]

@@ -50,6 +50,11 @@ def gc_paused():
             gc.enable()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @contextmanager
 def small_pages():
     """NumPy's huge-page advice off for the block (as it was after). NumPy advises the kernel to
