@@ -22,6 +22,8 @@ per-row count columns (prefixed ``_``) from which ``count_columns`` sums the aud
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pyarrow as pa
 
@@ -169,25 +171,14 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
     example, start, length, truncated, targets = (a[keep] for a in (example, start, length, truncated, targets))
     row, col = _greedy(length, block_size, one_per_row)
     num_rows = int(row[-1]) + 1 if len(row) else 0
-    total = num_rows * block_size
     used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
 
     # Segments of the rows: the pieces, then each row's padding, reading from index n on.
     pad_at = padding_starts(used, block_size)
     at, first = in_order(np.r_[row * block_size + col, pad_at], np.r_[start, np.full(len(pad_at), n)])
-    dtype = index_dtype(n + block_size, total)
-    src = segments(at, first, total, step=1, dtype=dtype)
-    positions = segments(at, np.zeros_like(at), total, step=1, dtype=np.int32)  # padding counts from 0 too
-    padding = src >= n
-    input_ids = ids.take(src, mode="clip")
-    np.copyto(input_ids, pad_id, where=padding)
-    # labels[t] = the token at t + 1 when it continues t's piece and is trained.
-    target = positions[1:] > 0
-    target &= ~padding[1:]
-    if trained is not None:
-        target &= trained.take(src[1:], mode="clip") != 0
-    labels = np.full(total, IGNORE, dtype=np.int32)
-    np.copyto(labels[:-1], input_ids[1:], where=target)
+    ids = ids.astype(np.int32, copy=False)
+    names = ("input_ids", "labels", "position_ids")
+    rows = fill_rows(partial(_fill_documents, ids, trained, pad_id, block_size, at, first), names, num_rows, block_size)
 
     # An example counts as kept in the row holding its first kept piece.
     first_piece = np.r_[True, example[1:] != example[:-1]] if len(example) else np.zeros(0, dtype=bool)
@@ -197,7 +188,29 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
         "_tokens": used,
         "_trained": np.bincount(row, weights=targets, minlength=num_rows),
     }
-    return _table(block_size, counts, input_ids=input_ids, labels=labels, position_ids=positions)
+    return _table(block_size, counts, **rows)
+
+
+def _fill_documents(ids, trained, pad_id: int, block_size: int, at, first, out: dict, start: int, end: int) -> None:
+    """Rows ``start`` to ``end`` of :func:`document_rows` into ``out`` (flat rows by column), from
+    the segments of every row (``at`` increasing, a row's first position always among them); a
+    segment reading from ``len(ids)`` on is padding."""
+    a, b = start * block_size, end * block_size
+    lo, hi = np.searchsorted(at, [a, b])
+    seg, total, n = at[lo:hi] - a, b - a, len(ids)
+    src = segments(seg, first[lo:hi], total, step=1, dtype=index_dtype(n + block_size, total))
+    input_ids, labels, positions = out["input_ids"][a:b], out["labels"][a:b], out["position_ids"][a:b]
+    segments(seg, np.zeros_like(seg), total, step=1, dtype=np.int32, out=positions)  # padding counts from 0 too
+    padding = src >= n
+    ids.take(src, mode="clip", out=input_ids)
+    np.copyto(input_ids, pad_id, where=padding)
+    # labels[t] = the token at t + 1 when it continues t's piece and is trained; never past a row.
+    target = positions[1:] > 0
+    target &= ~padding[1:]
+    if trained is not None:
+        target &= trained.take(src[1:], mode="clip") != 0
+    labels.fill(IGNORE)
+    np.copyto(labels[:-1], input_ids[1:], where=target)
 
 
 def count_columns(dataset) -> dict[str, int]:

@@ -135,10 +135,16 @@ def _reference_document_rows(examples, *, block_size, split_long, one_per_row):
 
 
 @pytest.mark.parametrize("text", [False, True], ids=["masked", "text"])
-def test_document_rows_equal_the_document_by_document_rule(text):
+@pytest.mark.parametrize("fill_min_rows", [256, 1])
+def test_document_rows_equal_the_document_by_document_rule(text, fill_min_rows, monkeypatch):
     """Random examples (empty, short, longer than a row; trained anywhere or nowhere) in batches of
     several Arrow chunks, every combination of split_long and one_per_row and several block sizes:
-    the rows and counts of the plain rule, value for value."""
+    the rows and counts of the plain rule, value for value, whether the rows are filled on one
+    thread or in ranges on several (``packing.fill_rows``)."""
+    from neuron_parallel import packing
+
+    monkeypatch.setattr(packing, "FILL_MIN_ROWS", fill_min_rows)
+    monkeypatch.setattr(packing, "usable_cores", lambda: 4)  # four ranges
     rng = np.random.default_rng(0)
     for block_size in (2, 5, 16, 33):
         lengths = rng.integers(0, 3 * block_size, size=90)

@@ -312,7 +312,7 @@ def test_pair_rows_equal_the_pair_by_pair_rule(one_per_row, fill_min_rows, monke
     from neuron_parallel.preference import pair_rows
 
     monkeypatch.setattr(packing, "FILL_MIN_ROWS", fill_min_rows)
-    monkeypatch.setattr(packing.os, "sched_getaffinity", lambda pid: set(range(4)))  # four ranges
+    monkeypatch.setattr(packing, "usable_cores", lambda: 4)  # four ranges
 
     rng = np.random.default_rng(0)
     for block_size in (8, 13, 64):
