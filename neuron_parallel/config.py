@@ -429,7 +429,7 @@ class JobConfig:
     model_path: str
     """The resolved local Hugging Face model directory (config, safetensors, tokenizer)."""
     dataset_path: str
-    """A tokenized, packed dataset saved with ``datasets.Dataset.save_to_disk``."""
+    """A tokenized, packed dataset in ``datasets.Dataset.save_to_disk``'s layout (``data.save_rows``)."""
     output_dir: str
     """The run directory: metrics.jsonl and checkpoint-<step>/ folders."""
     eval_dataset_path: str | None = None
