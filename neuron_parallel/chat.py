@@ -28,7 +28,10 @@ first ones (no shipped template does that).
 A template whose source shows that it reads each content only to write it, as it is or trimmed
 (:func:`writes_contents`), renders every conversation of one shape as that shape's layout with
 the contents in place: such a conversation is written from its layout, and its cuts read from
-it, without rendering it (the first conversations are rendered too, and compared).
+it, without rendering it (the first conversations are rendered too, and compared). Preference
+pairs of plain ``{role, content}`` messages come as flat columns of roles and contents
+(:meth:`ChatRenderer.split_flat_pairs`): the prompt is written once, from the layout of prompt +
+chosen, and only what prompt + rejected adds after it is written from that one's layout.
 """
 
 from __future__ import annotations
