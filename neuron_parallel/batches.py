@@ -48,7 +48,7 @@ class Batch:
     were read (None: not known, so each row attends within its documents)."""
     sequence_ids: torch.Tensor | None = None
     """Preference rows: which completion each labelled position belongs to
-    (:mod:`neuron_parallel.preference`)."""
+    (:mod:`neuron_parallel.pairs`)."""
     reference: torch.Tensor | None = None
     """Preference rows: the reference's summed log-probability of each completion, by sequence id
     (``(rows, slots)``), where the reference step computed them."""

@@ -4,7 +4,7 @@ of a whole conversation the rendering of its first messages ends, found from tha
 Chat SFT trains each assistant turn from the end of the rendering of the messages before it with
 the generation prompt to the end of the rendering through it (``neuron_parallel.sft``); a
 conversational preference pair splits prompt + completion after the prompt rendered with the
-generation prompt (``neuron_parallel.preference``). Both need the length of such a *cut* (the
+generation prompt (``neuron_parallel.pairs``). Both need the length of such a *cut* (the
 first ``j`` messages, with or without the generation prompt) when it is a prefix of the rendering
 of the whole conversation. Rendering every cut costs one template call each; instead, the *layout*
 of a conversation's shape (the roles and other fields of its messages, and the cuts asked for) is

@@ -38,7 +38,7 @@ from .checkpoint.format import TOKENIZER_FILES
 from .checks import HubRevision, hub_name, hub_sources, resolve_hub_repo
 from .config import DataConfig
 from .packing import PACK_BATCH, count_columns, document_rows, stream_rows
-from .preference import PairEncoder, pair_columns, pair_features, pair_rows
+from .pairs import PairEncoder, pair_columns, pair_features, pair_rows
 from .sft import Encoder, resolve_columns
 from .sources import POOL_MIN_BYTES, dataset_repo, hub_dataset_dir, load_raw, local_data_files
 from .utils import sha256_file, small_pages, usable_cores

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from neuron_parallel.chat import writes_contents
 from neuron_parallel.config import DataConfig
-from neuron_parallel.preference import PairEncoder
+from neuron_parallel.pairs import PairEncoder
 from neuron_parallel.sft import Encoder, in_spans, masked_table
 from neuron_parallel.tiny import TEMPLATES
 from neuron_parallel.token_starts import TokenStarts

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from neuron_parallel.config import DataConfig, PreferenceConfig
-from neuron_parallel.preference import fit_pair, pair_stats, sequence_logps
+from neuron_parallel.pairs import fit_pair
+from neuron_parallel.preference import pair_stats, sequence_logps
 
 
 def _tokenize(tiny_world, tmp_path, rows, **fields):
@@ -309,7 +310,7 @@ def test_pair_rows_equal_the_pair_by_pair_rule(one_per_row, fill_min_rows, monke
     import pyarrow as pa
 
     from neuron_parallel import packing
-    from neuron_parallel.preference import pair_rows
+    from neuron_parallel.pairs import pair_rows
 
     monkeypatch.setattr(packing, "FILL_MIN_ROWS", fill_min_rows)
     monkeypatch.setattr(packing, "usable_cores", lambda: 4)  # four ranges
@@ -336,7 +337,7 @@ def test_pair_rows_predict_nothing_across_documents_after_an_empty_prompt():
     before it in its document, so it is no target, and nothing is labelled in the document before."""
     import pyarrow as pa
 
-    from neuron_parallel.preference import pair_rows
+    from neuron_parallel.pairs import pair_rows
 
     table = pa.table({"prompt": [[], [7]], "chosen": [[1, 2], [4]], "rejected": [[5, 6, 9], [8]]})
     rows = pair_rows(table, block_size=16, pad_id=0, one_per_row=False).to_pydict()
