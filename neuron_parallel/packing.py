@@ -129,13 +129,25 @@ def fill_rows(fill, names: tuple[str, ...], num_rows: int, block_size: int) -> d
 
     out = {name: np.empty(num_rows * block_size, dtype=np.int32) for name in names}
     parts = max(1, min(4, usable_cores(), num_rows // FILL_MIN_ROWS))
+    if parts == 1:
+        fill(out, 0, num_rows)
+        return out
     bounds = np.linspace(0, num_rows, parts + 1).astype(int).tolist()
-    with ThreadPoolExecutor(max(parts - 1, 1), thread_name_prefix="rows") as pool:
+    with ThreadPoolExecutor(parts - 1, thread_name_prefix="rows") as pool:
         done = [pool.submit(fill, out, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
         fill(out, bounds[0], bounds[1])
         for future in done:
             future.result()
     return out
+
+
+def row_segments(at: np.ndarray, block_size: int, start: int, end: int) -> tuple[slice, np.ndarray, int, int]:
+    """The segments of rows ``start`` to ``end`` among those of every row (starts ``at``,
+    increasing, a row's first position always among them): which they are, their starts counted
+    from the first row's first position, that position and the rows' length in positions."""
+    a, b = start * block_size, end * block_size
+    lo, hi = np.searchsorted(at, [a, b])
+    return slice(int(lo), int(hi)), at[lo:hi] - a, a, b - a
 
 
 def padding_starts(used: np.ndarray, block_size: int) -> np.ndarray:
@@ -193,13 +205,12 @@ def document_rows(table: pa.Table, *, block_size: int, pad_id: int, split_long: 
 
 def _fill_documents(ids, trained, pad_id: int, block_size: int, at, first, out: dict, start: int, end: int) -> None:
     """Rows ``start`` to ``end`` of :func:`document_rows` into ``out`` (flat rows by column), from
-    the segments of every row (``at`` increasing, a row's first position always among them); a
-    segment reading from ``len(ids)`` on is padding."""
-    a, b = start * block_size, end * block_size
-    lo, hi = np.searchsorted(at, [a, b])
-    seg, total, n = at[lo:hi] - a, b - a, len(ids)
-    src = segments(seg, first[lo:hi], total, step=1, dtype=index_dtype(n + block_size, total))
-    input_ids, labels, positions = out["input_ids"][a:b], out["labels"][a:b], out["position_ids"][a:b]
+    the segments of every row (:func:`row_segments`); a segment reading from ``len(ids)`` on is
+    padding."""
+    these, seg, a, total = row_segments(at, block_size, start, end)
+    n = len(ids)
+    src = segments(seg, first[these], total, step=1, dtype=index_dtype(n + block_size, total))
+    input_ids, labels, positions = (out[name][a : a + total] for name in ("input_ids", "labels", "position_ids"))
     segments(seg, np.zeros_like(seg), total, step=1, dtype=np.int32, out=positions)  # padding counts from 0 too
     padding = src >= n
     ids.take(src, mode="clip", out=input_ids)

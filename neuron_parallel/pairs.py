@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig
-from .packing import IGNORE, index_dtype, segments
+from .packing import IGNORE, index_dtype, row_segments, segments
 from .token_starts import encode_ids, id_lists, overlapped
 from .utils import gc_paused
 
@@ -331,17 +331,15 @@ ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sequence_ids")
 
 def _fill_pairs(tokens, block_size: int, seg_at, seg_src, seg_pos, seg_id, out: dict, first: int, end: int) -> None:
     """Rows ``first`` to ``end`` of :func:`pair_rows` into ``out`` (flat rows by column), from the
-    segments of every row (``seg_at`` increasing, a row's first position always among them);
-    ``tokens[-1]`` is the padding's token."""
-    a, b = first * block_size, end * block_size
-    lo, hi = np.searchsorted(seg_at, [a, b])
-    at, total, n = seg_at[lo:hi] - a, b - a, len(tokens) - 1
-    src = segments(at, seg_src[lo:hi], total, step=1, dtype=index_dtype(n + block_size, total))
+    segments of every row (``packing.row_segments``); ``tokens[-1]`` is the padding's token."""
+    these, at, a, total = row_segments(seg_at, block_size, first, end)
+    n = len(tokens) - 1
+    src = segments(at, seg_src[these], total, step=1, dtype=index_dtype(n + block_size, total))
     np.minimum(src, n, out=src)
-    input_ids, labels, positions, sequence_ids = (out[name][a:b] for name in ROW_COLUMNS)
+    input_ids, labels, positions, sequence_ids = (out[name][a : a + total] for name in ROW_COLUMNS)
     tokens.take(src, out=input_ids)
-    segments(at, seg_pos[lo:hi], total, step=1, dtype=np.int32, out=positions)  # padding counts from 0
-    segment_ids = segments(at, seg_id[lo:hi], total, step=0, dtype=np.int32)
+    segments(at, seg_pos[these], total, step=1, dtype=np.int32, out=positions)  # padding counts from 0
+    segment_ids = segments(at, seg_id[these], total, step=0, dtype=np.int32)
     # Position t is labelled when t + 1 holds a completion token with a position before it; the
     # last position of a row never is (the next row starts at position 0).
     target = segment_ids[1:] >= 0
