@@ -24,8 +24,8 @@ Cases and what each timed region holds:
      chat_template=<the same>, block_size=B)``.
   - ours: the whole ``tokenize_data(DataConfig(..., cache_dir=<fresh dir>), model_dir,
     num_proc=--num-proc)`` call: fingerprint, tokenizer load, reading the JSONL (pyarrow for a
-    source under ``neuron_parallel.sources.POOL_MIN_BYTES``, else ``datasets``), rendering and masking
-    (chat), tokenizing, packing, the audit and ``save_to_disk`` of the rows. ``datasets``' own
+    source ``neuron_parallel.sources.encodes_here``, else ``datasets``), rendering and masking
+    (chat), tokenizing, packing, the audit and saving the rows. ``datasets``' own
     cache (HF_DATASETS_CACHE, where the JSONL's table is kept too) is a fresh directory too, so
     nothing is reused.
     Imports, one load of the tokenizer (transformers imports its modules on first use) and one
@@ -44,9 +44,10 @@ Method: every measurement runs in its own subprocess (``bench_util.run_child``),
 cores with the same thread settings (``RAYON_NUM_THREADS=--threads``, tokenizers' parallelism on
 when threads > 1, ``OMP_NUM_THREADS``), so neither warms the other. Both use every one of those
 cores: the baseline through the tokenizer's threads in one process; ours as ``tokenize_data``
-chooses with ``--num-proc`` unset (``neuron_parallel.sources.POOL_MIN_BYTES``), in one process with
-the tokenizer's threads for a source under that size (chat and preference at the default sizes),
-else in a pool of one worker per core, each encoding on one. For each repeat and case the
+chooses with ``--num-proc`` unset (``neuron_parallel.sources.encodes_here``): in one process with
+the tokenizer's threads on fewer than five cores (every case at the default sizes, up to 256 MB),
+else for a source under 16 MB, and otherwise in a pool of one worker per core, each encoding on
+one. For each repeat and case the
 two alternate (baseline first on even repeats, ours first on odd ones), and the table reports
 medians. Ratio = baseline seconds / our seconds = our tokens/s / baseline tokens/s over the same
 texts; for information the table adds the ratio of CPU seconds (all threads, ``getrusage``), which
@@ -107,13 +108,14 @@ HOTSPOTS = (  # (label, file fragment, function): cumulative times pulled out of
     ("      Encodings -> Python lists", "transformers/tokenization_utils_tokenizers.py", "_convert_encoding"),
     ("    masked_table (mask, Arrow lists)", "neuron_parallel/sft.py", "masked_table"),
     ("    in_spans (mask)", "neuron_parallel/sft.py", "in_spans"),
-    ("  datasets map (a source of POOL_MIN_BYTES or more)", "datasets/arrow_dataset.py", "map"),
+    ("  datasets map (a source not encoded in this process)", "datasets/arrow_dataset.py", "map"),
     ("rows (pack)", "neuron_parallel/data.py", "_rows"),
     ("  stream_rows", "neuron_parallel/packing.py", "stream_rows"),
     ("  document_rows", "neuron_parallel/packing.py", "document_rows"),
     ("  pair_rows", "neuron_parallel/pairs.py", "pair_rows"),
     ("    _greedy (per-document loop)", "neuron_parallel/packing.py", "_greedy"),
     ("audit", "neuron_parallel/audit.py", "build_audit"),
+    ("save_rows (rows in memory)", "neuron_parallel/data.py", "save_rows"),
     ("save_to_disk", "datasets/arrow_dataset.py", "save_to_disk"),
 )
 

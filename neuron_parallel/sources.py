@@ -1,7 +1,7 @@
 """Where examples come from: a source as ``data.source`` names it (local data files, a local
 dataset folder laid out like a Hub dataset, or a Hub dataset read from its snapshot at a resolved
-commit) read into a ``datasets.Dataset``. A small local JSON Lines source is read by pyarrow
-alone, into memory (``_json_lines``)."""
+commit) read into a ``datasets.Dataset``. A local JSON Lines source encoded in this process
+(:func:`encodes_here`) is read by pyarrow alone, into memory (``_json_lines``)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,41 @@ import json
 from pathlib import Path
 
 from .checks import HubRevision, hub_refusal
-from .utils import names_local_path, sha256_file
+from .utils import names_local_path, sha256_file, usable_cores
 
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 POOL_MIN_BYTES = 16 << 20
-"""Size of a source's data (its Arrow table, in bytes) from which encoding starts a pool of
-processes when ``num_proc`` is not given. In one process the tokenizer already encodes each batch
-on every core (its own threads), so a pool shares out only the Python work (rendering, masking,
-building lists: about a quarter of the time for chat), while it costs starting the workers,
-sending them the examples, merging their results, and the tokenizer's threads (in a forked worker
-it encodes on one core). Measured on 2 cores, 5 MB of chat (or of preference pairs) took 0.1 to
-0.4 CPU seconds less in one process than in a pool of two (about 1.7 against 1.85 for chat) in
-about the same wall time; by those figures the pool repays its cost from about 12 MB of chat.
-Under it, a source encoded in this process is kept in memory (``data._encoded_here``), and a
-local JSON Lines source (its files' bytes) is read by pyarrow alone (``_json_lines``)."""
+"""Size of a source's data (its Arrow table, or its JSON Lines files, in bytes) from which, on a
+host of ``POOL_MIN_CORES`` or more, encoding starts a pool of processes when ``num_proc`` is not
+given (:func:`encodes_here`). In one process the tokenizer already encodes on every core (its own
+threads), so a pool shares out only the Python work (rendering, masking, building lists), while
+it costs starting the workers, sending them the examples, merging their results, and the
+tokenizer's threads (in a forked worker it encodes on one core). Measured on 2 cores, 5 MB of
+chat (or of preference pairs) took 0.1 to 0.4 CPU seconds less in one process than in a pool of
+two; by those figures a pool repays its cost from about 12 MB where it has the cores."""
+
+POOL_MIN_CORES = 5
+"""Cores from which a pool encodes sources of ``POOL_MIN_BYTES`` or more; below, one process does,
+up to ``IN_MEMORY_MAX_BYTES``. In one process the Python work runs on one core, beside the
+tokenizer's threads: on the tokenization benchmark (2 cores) the main thread took about a quarter
+of the CPU time (0.45-0.53 of 2.2-2.4 s for preference pairs, 0.39-0.48 of 1.6-1.8 s for chat), so
+one process keeps about four cores busy, no more, while a pool spent 8 to 16 % more CPU time than
+one process on the same 20 MB (chat 7.98 against 6.89 s, preference 12.03 against 11.10 s): a pool
+is faster from five cores. On 2 cores, at 20 MB, one process met 0.84x (chat) and 0.91x
+(preference) of raw ``tokenizers`` encoding, the pool 0.66x and 0.68x."""
+
+IN_MEMORY_MAX_BYTES = 256 << 20
+"""The largest source (its Arrow table, or its JSON Lines files, in bytes) encoded in this process
+into memory: its table, its examples and their rows are all held at once (rows up to
+``data.ROWS_IN_MEMORY_BYTES``). A larger one goes through ``datasets.map`` and its cache files."""
+
+
+def encodes_here(num_bytes: int, cores: int) -> bool:
+    """Whether a source of ``num_bytes`` is read and encoded in this process, into memory, on a host
+    of ``cores`` when ``num_proc`` is not given: below ``IN_MEMORY_MAX_BYTES``, on fewer than
+    ``POOL_MIN_CORES`` or below ``POOL_MIN_BYTES``."""
+    return num_bytes < IN_MEMORY_MAX_BYTES and (cores < POOL_MIN_CORES or num_bytes < POOL_MIN_BYTES)
 
 
 def dataset_repo(source: str | list[str]) -> str | None:
@@ -130,7 +150,7 @@ def load_raw(source: str | list[str], split: str, config: str | None = None, hub
         )
     files = local_data_files(source)
     builder = _BUILDERS[files[0].suffix]
-    if builder == "json" and sum(f.stat().st_size for f in files) < POOL_MIN_BYTES:
+    if builder == "json" and encodes_here(sum(f.stat().st_size for f in files), usable_cores()):
         rows = _json_lines(files)
         if rows is not None:
             return rows
@@ -144,17 +164,21 @@ def _json_lines(files: list[Path]):
     (a JSON array), a field whose type changes between rows. ``load_dataset`` handles those; for
     the rest it builds the same table, but first parses every line of the first 10 MB again in
     Python to look for such fields: about ten times pyarrow's own time (measured on 5 MB of chat
-    JSONL, single-core work of 0.17 s against 0.02 s). Only sources under ``POOL_MIN_BYTES`` come
-    here, and their examples are encoded in memory (``data._encoded_here``), so nothing is written:
-    ``load_dataset`` would write the table to its cache first."""
+    JSONL, single-core work of 0.17 s against 0.02 s). Only sources :func:`encodes_here` come here,
+    and their examples are encoded in memory (``data._encoded_here``), so nothing is written:
+    ``load_dataset`` would write the table to its cache first. One file is read where it lies (mapped
+    into memory); several are joined into one buffer first, so that they make one table."""
     import pyarrow as pa
     import pyarrow.json as paj
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
     try:
-        lines = b"\n".join(f.read_bytes().rstrip(b"\n") for f in files)  # one table, one schema
-        table = paj.read_json(pa.BufferReader(lines))
+        if len(files) == 1:
+            with pa.memory_map(str(files[0])) as source:
+                table = paj.read_json(source)
+        else:  # one table, one schema
+            table = paj.read_json(pa.BufferReader(b"\n".join(f.read_bytes().rstrip(b"\n") for f in files)))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
         return None
     # Named by content, as datasets would name it, without hashing the table.

@@ -189,14 +189,22 @@ def test_rows_do_not_depend_on_where_they_are_built(tiny_world, tmp_path, monkey
     """Train and eval rows and the audit are the same bit for bit whether a small source is
     encoded in this process into memory and packed there, encoded by a pool of two worker
     processes through ``datasets.map`` (cache files, packed by ``datasets.map``), or encoded into
-    memory and packed by ``datasets.map`` (rows over ``ROWS_IN_MEMORY_BYTES``). num_proc=1 and
-    small sources (under POOL_MIN_BYTES) start no pool."""
+    memory and packed by ``datasets.map`` (rows over ``ROWS_IN_MEMORY_BYTES``). num_proc=1 starts
+    no pool; unset, a pool encodes a source of POOL_MIN_BYTES or more from POOL_MIN_CORES cores on,
+    and any source of IN_MEMORY_MAX_BYTES or more."""
     from neuron_parallel import data
-    from neuron_parallel.data import POOL_MIN_BYTES, _encode_procs
+    from neuron_parallel.data import _encode_procs
+    from neuron_parallel.sources import IN_MEMORY_MAX_BYTES, POOL_MIN_BYTES, POOL_MIN_CORES
     from neuron_parallel.tiny import TEMPLATES
 
     assert _encode_procs(1, POOL_MIN_BYTES) is None and _encode_procs(3, 0) == 3
-    assert _encode_procs(None, POOL_MIN_BYTES - 1) is None
+    cores = data.usable_cores
+    for n, pool in ((1, None), (2, None), (POOL_MIN_CORES - 1, None), (POOL_MIN_CORES, POOL_MIN_CORES), (16, 8)):
+        monkeypatch.setattr(data, "usable_cores", lambda n=n: n)
+        assert _encode_procs(None, POOL_MIN_BYTES - 1) is None
+        assert _encode_procs(None, POOL_MIN_BYTES) == pool
+        assert _encode_procs(None, IN_MEMORY_MAX_BYTES) == (min(n, 8) if n > 1 else None)
+    monkeypatch.setattr(data, "usable_cores", cores)
     here = []
     encoded_here = data._encoded_here
     monkeypatch.setattr(data, "_encoded_here", lambda *a: here.append(a) or encoded_here(*a))
@@ -244,6 +252,8 @@ def test_json_lines_read_by_pyarrow_equal_what_load_dataset_reads(tmp_path):
     want = load_dataset("json", data_files=files, split="train")
     assert got.features == want.features and got[:] == want[:] and len(got) == 3
     assert got.cache_files == [] and load_raw(files, "train")._fingerprint == got._fingerprint
+    one = load_raw(str(first), "train")  # one file: read where it lies
+    assert one.cache_files == [] and one[:] == load_dataset("json", data_files=str(first), split="train")[:]
     second.write_text(json.dumps({**rows[2], "id": 4}) + "\n")
     assert load_raw(files, "train")._fingerprint != got._fingerprint
 

@@ -16,7 +16,7 @@ from datasets.table import InMemoryTable
 from neuron_parallel import data
 
 
-def _rows(count: int, block: int = 16) -> Dataset:
+def _rows(count: int, block: int = 16, chunks: int = 1) -> Dataset:
     import pyarrow as pa
 
     rng = np.random.default_rng(count)
@@ -27,6 +27,8 @@ def _rows(count: int, block: int = 16) -> Dataset:
         for name in ("input_ids", "labels")
     }
     table = pa.table({**cols, "_kept": pa.array(np.arange(count))})
+    cuts = [count * k // chunks for k in range(chunks + 1)]  # as rows packed in batches arrive: in chunks
+    table = pa.concat_tables([table.slice(a, b - a) for a, b in zip(cuts, cuts[1:])])
     rows = Dataset(InMemoryTable(table), DatasetInfo(features=features), fingerprint=f"rows{count}")
     return rows.with_format("numpy")
 
@@ -35,11 +37,12 @@ def _files(path) -> tuple[dict, dict]:
     return json.loads((path / "state.json").read_text()), json.loads((path / "dataset_info.json").read_text())
 
 
-@pytest.mark.parametrize("cores", [2, 3, 8])
-def test_rows_saved_in_shards_read_back_as_save_to_disk_writes_them(tmp_path, monkeypatch, cores):
+@pytest.mark.parametrize("cores,chunks", [(2, 1), (3, 1), (8, 1), (2, 3), (3, 4)])
+def test_rows_saved_in_shards_read_back_as_save_to_disk_writes_them(tmp_path, monkeypatch, cores, chunks):
     monkeypatch.setattr(data, "SAVE_MIN_BYTES", 1)
     monkeypatch.setattr(data, "usable_cores", lambda: cores)
-    rows = _rows(101)
+    rows = _rows(101, chunks=chunks)
+    assert rows.data.table.column(0).num_chunks == chunks
     data.save_rows(rows, tmp_path / "ours")
     rows.save_to_disk(str(tmp_path / "theirs"))
     ours, theirs = _files(tmp_path / "ours"), _files(tmp_path / "theirs")
