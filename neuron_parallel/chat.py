@@ -28,10 +28,11 @@ first ones (no shipped template does that).
 A template whose source shows that it reads each content only to write it, as it is or trimmed
 (:func:`writes_contents`), renders every conversation of one shape as that shape's layout with
 the contents in place: such a conversation is written from its layout, and its cuts read from
-it, without rendering it (the first conversations are rendered too, and compared). Preference
-pairs of plain ``{role, content}`` messages come as flat columns of roles and contents
-(:meth:`ChatRenderer.split_flat_pairs`): the prompt is written once, from the layout of prompt +
-chosen, and only what prompt + rejected adds after it is written from that one's layout.
+it, without rendering it (the first conversations are rendered too, and compared). Conversations
+and preference pairs of plain ``{role, content}`` messages come as flat columns of roles and
+contents, without a dictionary per message: a conversation is written from the layout of its
+roles (:meth:`ChatRenderer.write_flat`); a pair's prompt once, from the layout of prompt + chosen,
+and only what prompt + rejected adds after it from that one's (:meth:`ChatRenderer.split_flat_pairs`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ChatRenderer:
         self._writes: bool | None = None  # writes_contents of the compiled template; None: not yet known
         self._written_probed = False  # conversations written from layouts were compared with renderings
         self._pair_plans: dict = {}  # split_flat_pairs: per (prompt, chosen, rejected) roles, its layouts or None
+        self._chat_plans: dict = {}  # write_flat: per (roles, spans asked), the layout or None
         self._pairs_probed = False  # pairs written by split_flat_pairs were compared with renderings
 
     def render(self, conversations: list[list[dict]], wheres: list[str], generation: bool) -> list[str]:
@@ -232,6 +234,46 @@ class ChatRenderer:
             [cuts[i] for i in asked],
             [found[i] for i in asked],
         )
+
+    def write_flat(self, flat: Flat, wheres: list[str], spans: bool) -> list:
+        """:meth:`render_cuts` of conversations whose messages are plain ``{role, content}`` given
+        as flat columns (``Flat``), for a template that :func:`writes_contents`: each conversation
+        written from the layout of its roles, without a message dictionary per message, as ``(text,
+        cut lengths)``, the cuts those of :func:`assistant_cuts` where ``spans``, none else. ``None``
+        for a conversation without a layout: the caller renders it (:meth:`render_cuts`), which
+        names a refusal. The first conversations written are also rendered and compared; any
+        difference turns layouts off."""
+        out: list = [None] * len(wheres)
+        if self._layouts is None or not wheres:
+            return out
+        if self._writes is None:
+            self._written([_messages(flat, i) for i in range(min(PROBE, len(wheres)))])
+        if not self._writes:
+            return out
+        roles, contents, at = flat
+        plans = self._chat_plans
+        for i in range(len(wheres)):
+            a, b = at[i], at[i + 1]
+            key = (tuple(roles[a:b]), spans)
+            layout = plans.get(key, False)
+            if layout is False:
+                if len(plans) >= MAX_LAYOUTS:
+                    plans.clear()
+                cuts = assistant_cuts(key[0]) if spans else []
+                layout = plans[key] = self._layout([{"role": role, "content": ""} for role in key[0]], cuts)
+            if layout is not None:
+                out[i] = layout.write_contents(contents[a:b])
+        if not self._written_probed:
+            probe = [i for i in range(min(PROBE, len(wheres))) if out[i] is not None]
+            if probe:
+                conversations = [_messages(flat, i) for i in probe]
+                cuts = [assistant_cuts([m["role"] for m in c]) if spans else [] for c in conversations]
+                texts, found = [out[i][0] for i in probe], [out[i][1] for i in probe]
+                if not self._written_agree(conversations, [wheres[i] for i in probe], cuts, texts, found):
+                    self._layouts = None
+                    return [None] * len(wheres)
+                self._written_probed = True
+        return out
 
     def split_pairs(self, pairs: list[tuple[list, list, list]], wheres: list[str]) -> list[tuple[str, str, str]]:
         """Each ``(prompt, chosen, rejected)`` message lists as ``(the prompt rendered with the
@@ -458,6 +500,11 @@ class _Layout:
         parts = self._parts(messages)
         return "".join(parts), self._cut_lengths(parts) if self.cuts else []
 
+    def write_contents(self, contents: list[str]) -> tuple[str, list[int]]:
+        """:meth:`write` of messages given as their ``contents``."""
+        parts = self.parts(contents)
+        return "".join(parts), self._cut_lengths(parts) if self.cuts else []
+
 
 def _padded_starts(text: str, literals: list[str], order: list[int]):
     """Read the padded rendering ``text`` as ``literals`` around the padded markers: per marker,
@@ -592,6 +639,12 @@ def _constant_int(node) -> bool:
     if isinstance(node, nodes.Neg):
         node = node.node
     return isinstance(node, nodes.Const) and type(node.value) is int
+
+
+def assistant_cuts(roles) -> list[tuple[int, bool]]:
+    """The cuts that bound every assistant turn of a conversation of ``roles``: before it, with the
+    generation prompt, and after it (``neuron_parallel.sft``'s spans)."""
+    return [cut for k, role in enumerate(roles) if role == "assistant" for cut in ((k, True), (k + 1, False))]
 
 
 def _messages(flat: Flat, i: int) -> list[dict]:

@@ -82,7 +82,7 @@ class PairEncoder:
     def encode_dataset(self, dataset):
         """Every row of ``dataset``, its three columns formatted as Python a piece at a time
         (``sft.dataset_piece``)."""
-        from .sft import dataset_piece
+        from .sft import arrow_piece, dataset_piece, plain_chat
 
         with gc_paused():
             columns = dataset.select_columns(list(set(self.columns.values())))
@@ -91,10 +91,10 @@ class PairEncoder:
             c = self.columns
             if (
                 self.chat is not None
-                and _plain_chat(types[c["prompt"]], False)
-                and all(_plain_chat(types[c[role]], True) for role in ("chosen", "rejected"))
+                and plain_chat(types[c["prompt"]], False)
+                and all(plain_chat(types[c[role]], True) for role in ("chosen", "rejected"))
             ):  # message lists of role and content only: pieces stay Arrow (_flat_texts)
-                piece = partial(_arrow_piece, columns.with_format("arrow"))
+                piece = partial(arrow_piece, columns.with_format("arrow"))
             return self._pairs(piece, range(len(dataset)))
 
     def _pairs(self, piece, indices):
@@ -155,8 +155,10 @@ class PairEncoder:
         check per message (Arrow's are per column). None where a value is missing or empty or a
         role unknown: the Python path names the row. Pairs not written from layouts go that way
         too."""
+        from .sft import flat_messages
+
         c = self.columns
-        flats = [_flat_messages(table.column(c[role])) for role in ("prompt", "chosen", "rejected")]
+        flats = [flat_messages(table.column(c[role])) for role in ("prompt", "chosen", "rejected")]
         if any(flat is None for flat in flats):
             return None
         texts = self.chat.split_flat_pairs(*flats, wheres)
@@ -196,54 +198,6 @@ class PairEncoder:
             turns = [{"role": "assistant", "content": value}] if isinstance(value, str) else value
             out.append(check_messages(turns, f"{where} ({role})"))
         return out[0], out[1], out[2]
-
-
-def _arrow_piece(dataset, a: int, b: int):
-    """Rows ``a`` to ``b`` of a ``datasets.Dataset`` in Arrow format, as a ``pyarrow.Table``."""
-    return dataset[a:b]
-
-
-def _plain_chat(kind, completion: bool) -> bool:
-    """Whether Arrow type ``kind`` is a list of messages of a string role and content and nothing
-    else (or, for a ``completion``, a string)."""
-    import pyarrow as pa
-
-    if completion and pa.types.is_string(kind):
-        return True
-    if not pa.types.is_list(kind) or not pa.types.is_struct(kind.value_type):
-        return False
-    fields = {f.name: f.type for f in kind.value_type}
-    return set(fields) == {"role", "content"} and all(pa.types.is_string(t) for t in fields.values())
-
-
-def _flat_messages(column):
-    """A column of :func:`_plain_chat` values as ``chat.Flat`` (a string: one assistant message),
-    or None where a value or message is missing, a value is empty, or a role is not one of
-    ``sft.ROLES``."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from .sft import ROLES
-
-    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    n = len(column)
-    if column.null_count:
-        return None
-    if pa.types.is_string(column.type):
-        if n and pc.min(pc.utf8_length(column)).as_py() == 0:
-            return None
-        return ["assistant"] * n, column.to_pylist(), list(range(n + 1))
-    if n and pc.min(pc.list_value_length(column)).as_py() == 0:
-        return None
-    messages = column.flatten()
-    kind = messages.type
-    role, content = (messages.flatten()[kind.get_field_index(name)] for name in ("role", "content"))
-    if messages.null_count or role.null_count or content.null_count:
-        return None
-    if not pc.all(pc.is_in(role, value_set=pa.array(ROLES))).as_py():
-        return None
-    offsets = column.offsets.to_numpy()
-    return role.to_pylist(), content.to_pylist(), (offsets - offsets[0]).tolist()
 
 
 def pair_features():

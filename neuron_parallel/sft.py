@@ -13,7 +13,9 @@ its first character lies in a trained span. Formats:
   and tool turn is masked. A template for which those renderings are not prefixes of one another
   is refused. Where they end is read from the one rendering of the whole conversation when its
   layout vouches for that (``neuron_parallel.chat``); otherwise they are rendered. With a template
-  that only writes its contents (the shipped ones), that rendering is written from the layout.
+  that only writes its contents (the shipped ones), that rendering is written from the layout;
+  conversations of messages with only a role and a content are read from Arrow as flat columns
+  for that (``Encoder._flat``).
 - ``instruction``: with a chat template (``data.chat_template`` or the tokenizer's), a two-turn
   chat: user = instruction, plus two newlines and the input when it is not empty; assistant =
   response. Without one, the plain prompt ``### Instruction:\\n{instruction}\\n\\n### Input:\\n
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .chat import ChatRenderer
+from .chat import ChatRenderer, assistant_cuts
 from .config import DataConfig
 from .token_starts import TokenStarts, encode_ids, id_lists, overlapped
 from .utils import gc_paused
@@ -137,16 +139,11 @@ class Renderer:
             return []
         if self.data.train_on_prompt:
             return [(text, [(0, len(text))]) for text in self.chat.render(conversations, wheres, False)]
-        cuts = [
-            [cut for k, m in enumerate(c) if m["role"] == "assistant" for cut in ((k, True), (k + 1, False))]
-            for c in conversations
-        ]
+        cuts = [assistant_cuts([m["role"] for m in c]) for c in conversations]
         spans: list = [None] * len(conversations)
         full, found = self.chat.render_cuts(conversations, wheres, cuts)
         for i, lengths in enumerate(found):
-            pairs = None if lengths is None else list(zip(lengths[::2], lengths[1::2]))
-            if pairs is not None and all(a <= b for a, b in pairs):
-                spans[i] = pairs
+            spans[i] = None if lengths is None else _spans(lengths)
         slow = [i for i, s in enumerate(spans) if s is None]
         if slow:
             found = self._rendered_spans(
@@ -155,6 +152,22 @@ class Renderer:
             for i, s in zip(slow, found):
                 spans[i] = s
         return list(zip(full, spans))
+
+    def flat_chats(self, flat, wheres: list[str]) -> list:
+        """:meth:`chats` of conversations given as flat columns (``chat.Flat``), each written from
+        its layout (``ChatRenderer.write_flat``), as ``(text, spans, False)`` (a rendered row of
+        :meth:`batch`); None for a conversation not written so, or whose spans the layout does not
+        vouch for: the caller passes it to :meth:`batch`."""
+        if self.data.train_on_prompt:
+            return [
+                None if w is None else (w[0], [(0, len(w[0]))], False)
+                for w in self.chat.write_flat(flat, wheres, False)
+            ]
+        out: list = []
+        for written in self.chat.write_flat(flat, wheres, True):
+            spans = None if written is None else _spans(written[1])
+            out.append(None if spans is None else (written[0], spans, False))
+        return out
 
     def _rendered_spans(
         self, conversations: list[list[dict]], wheres: list[str], full: list[str]
@@ -212,6 +225,13 @@ class Renderer:
         return head + response, [(0 if self.data.train_on_prompt else len(head), len(head + response))], True
 
 
+def _spans(lengths: list[int]) -> list[tuple[int, int]] | None:
+    """The assistant spans bounded by a conversation's cut lengths (``chat.assistant_cuts``), or
+    None where one would end before it starts."""
+    spans = list(zip(lengths[::2], lengths[1::2]))
+    return spans if all(a <= b for a, b in spans) else None
+
+
 def _string(row: dict, column: str, where: str) -> str:
     value = row[column]
     if value is None:
@@ -254,10 +274,16 @@ class Encoder:
 
     def encode_dataset(self, dataset):
         """Every row of ``dataset``, the columns this format reads formatted as Python a piece at a
-        time (:func:`dataset_piece`), as the piece is prepared."""
+        time (:func:`dataset_piece`), as the piece is prepared; conversations whose messages are
+        role and content only stay Arrow (:meth:`_flat`)."""
         with gc_paused():
             columns = dataset.select_columns([c for c in self.columns.values() if c is not None])
-            return self._encode(partial(dataset_piece, columns), range(len(dataset)))
+            piece = partial(dataset_piece, columns)
+            if self.data.format == "chat" and plain_chat(
+                columns.data.schema.field(self.columns["messages"]).type, False
+            ):
+                piece = partial(arrow_piece, columns.with_format("arrow"))
+            return self._encode(piece, range(len(dataset)))
 
     def _encode(self, piece, indices):
         """``piece(a, b)``: rows ``a`` to ``b`` as Python column lists; ``indices``: their row numbers."""
@@ -279,8 +305,11 @@ class Encoder:
 
         def prepare(a: int, b: int):
             columns = piece(a, b)
+            wheres = [f"{self.where} row {indices[i]}" for i in range(a, b)]
+            if not isinstance(columns, dict):  # an Arrow table of plain conversations
+                return self._flat(columns, wheres)
             rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-            return self.render.batch(rows, [f"{self.where} row {indices[i]}" for i in range(a, b)])
+            return self.render.batch(rows, wheres)
 
         tables = overlapped(
             len(indices),
@@ -289,6 +318,21 @@ class Encoder:
             lambda rendered, encodings: masked_table(self.tokens, rendered, self.eos, encodings),
         )
         return pa.concat_tables(tables)
+
+    def _flat(self, table, wheres: list[str]) -> list:
+        """The rendered rows (:meth:`Renderer.batch`) of an Arrow piece of conversations whose
+        messages are role and content only, read as flat columns (``Renderer.flat_chats``): no
+        dictionary per message, no check per message (Arrow's are per column). A piece with a
+        missing or empty value or an unknown role, and the conversations not written from layouts,
+        go to :meth:`Renderer.batch`, which names a refusal."""
+        flat = flat_messages(table.column(self.columns["messages"]))
+        rendered = self.render.flat_chats(flat, wheres) if flat is not None else [None] * len(wheres)
+        rest = [j for j, r in enumerate(rendered) if r is None]
+        if rest:
+            done = self.render.batch(table.take(rest).to_pylist(), [wheres[j] for j in rest])
+            for j, r in zip(rest, done):
+                rendered[j] = r
+        return rendered
 
 
 def batch_piece(batch: dict[str, list], a: int, b: int) -> dict[str, list]:
@@ -344,3 +388,49 @@ def in_spans(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     hi = np.asarray([e for _, e in spans])
     k = np.searchsorted(lo, starts, side="right") - 1
     return (k >= 0) & (starts < hi[np.maximum(k, 0)])
+
+
+def arrow_piece(dataset, a: int, b: int):
+    """Rows ``a`` to ``b`` of a ``datasets.Dataset`` in Arrow format, as a ``pyarrow.Table``."""
+    return dataset[a:b]
+
+
+def plain_chat(kind, completion: bool) -> bool:
+    """Whether Arrow type ``kind`` is a list of messages of a string role and content and nothing
+    else (or, for a ``completion``, a string)."""
+    import pyarrow as pa
+
+    if completion and pa.types.is_string(kind):
+        return True
+    if not pa.types.is_list(kind) or not pa.types.is_struct(kind.value_type):
+        return False
+    fields = {f.name: f.type for f in kind.value_type}
+    return set(fields) == {"role", "content"} and all(pa.types.is_string(t) for t in fields.values())
+
+
+def flat_messages(column):
+    """A column of :func:`plain_chat` values as ``chat.Flat`` (a string: one assistant message),
+    or None where a value or message is missing, a value is empty, or a role is not one of
+    ``sft.ROLES``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(column)
+    if column.null_count:
+        return None
+    if pa.types.is_string(column.type):
+        if n and pc.min(pc.utf8_length(column)).as_py() == 0:
+            return None
+        return ["assistant"] * n, column.to_pylist(), list(range(n + 1))
+    if n and pc.min(pc.list_value_length(column)).as_py() == 0:
+        return None
+    messages = column.flatten()
+    kind = messages.type
+    role, content = (messages.flatten()[kind.get_field_index(name)] for name in ("role", "content"))
+    if messages.null_count or role.null_count or content.null_count:
+        return None
+    if not pc.all(pc.is_in(role, value_set=pa.array(ROLES))).as_py():
+        return None
+    offsets = column.offsets.to_numpy()
+    return role.to_pylist(), content.to_pylist(), (offsets - offsets[0]).tolist()

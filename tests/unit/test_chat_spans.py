@@ -336,3 +336,62 @@ def test_flat_pairs_with_a_fault_are_refused_by_row(tiny_world, change, needle):
     with pytest.raises(ValueError, match="src row 150") as refused:
         encoder.encode_dataset(dataset)
     assert needle in str(refused.value)
+
+
+def _chat_dataset(convs: list[list[dict]]):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"messages": c} for c in convs])
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "own"])
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_conversations_read_as_flat_columns_encode_as_their_renderings_do(tiny_world, template, train_on_prompt):
+    tokenizer, path = _tokenizer_and_template(tiny_world, template)
+    data = DataConfig(
+        source="unused.jsonl", format="chat", chat_template=path, block_size=1024, train_on_prompt=train_on_prompt
+    )
+    dataset = _chat_dataset(conversations(8, 300))
+    fast, slow = (
+        Encoder(data, tokenizer, {"messages": "messages"}, "src"),
+        Encoder(data, tokenizer, {"messages": "messages"}, "src"),
+    )
+    slow.render.chat._layouts = None  # every conversation rendered, its spans from its rendered prefixes
+    got = fast.encode_dataset(dataset).to_pydict()
+    assert got == slow(dataset.to_dict(), list(range(len(dataset)))).to_pydict()
+    assert fast.render.chat._chat_plans and fast.render.chat._written_probed and fast.render.chat._layouts
+
+
+def test_flat_conversations_written_unlike_their_renderings_turn_layouts_off(tiny_world, monkeypatch):
+    from neuron_parallel import chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    data = DataConfig(source="unused.jsonl", format="chat", chat_template=str(TEMPLATES / "llama3.jinja"))
+    dataset = _chat_dataset(conversations(9, 60))
+    slow = Encoder(data, tokenizer, {"messages": "messages"}, "src")
+    slow.render.chat._layouts = None
+    want = slow(dataset.to_dict(), list(range(len(dataset)))).to_pydict()
+    parts = chat._Layout.parts
+    monkeypatch.setattr(chat._Layout, "parts", lambda self, contents, start=0: [*parts(self, contents, start), "!"])
+    fast = Encoder(data, tokenizer, {"messages": "messages"}, "src")
+    assert fast.encode_dataset(dataset).to_pydict() == want
+    assert fast.render.chat._chat_plans and fast.render.chat._layouts is None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda c: c.append({"role": "narrator", "content": "x"}), "role 'narrator'"),
+        (lambda c: c.clear(), "conversation is empty"),
+        (lambda c: c[0].update(content=None), "string content"),
+    ],
+)
+def test_flat_conversations_with_a_fault_are_refused_by_row(tiny_world, change, needle):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    data = DataConfig(source="unused.jsonl", format="chat", chat_template=str(TEMPLATES / "llama3.jinja"))
+    convs = conversations(10, 200)
+    change(convs[150])
+    encoder = Encoder(data, tokenizer, {"messages": "messages"}, "src")
+    with pytest.raises(ValueError, match="src row 150") as refused:
+        encoder.encode_dataset(_chat_dataset(convs))
+    assert needle in str(refused.value)
