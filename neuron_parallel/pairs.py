@@ -289,9 +289,8 @@ def _fill_pairs(tokens, block_size: int, seg_at, seg_src, seg_pos, seg_id, out: 
     these, at, a, total = row_segments(seg_at, block_size, first, end)
     n = len(tokens) - 1
     src = segments(at, seg_src[these], total, step=1, dtype=index_dtype(n + block_size, total))
-    np.minimum(src, n, out=src)
     input_ids, labels, positions, sequence_ids = (out[name][a : a + total] for name in ROW_COLUMNS)
-    tokens.take(src, out=input_ids)
+    tokens.take(src, mode="clip", out=input_ids)  # a padding segment's indices run past n: clipped to it
     segments(at, seg_pos[these], total, step=1, dtype=np.int32, out=positions)  # padding counts from 0
     segment_ids = segments(at, seg_id[these], total, step=0, dtype=np.int32)
     # Position t is labelled when t + 1 holds a completion token with a position before it; the
