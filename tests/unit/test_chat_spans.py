@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from neuron_parallel.chat import writes_contents
+from neuron_parallel.chat_source import writes_contents
 from neuron_parallel.config import DataConfig
 from neuron_parallel.pairs import PairEncoder
 from neuron_parallel.sft import Encoder, in_spans, masked_table
