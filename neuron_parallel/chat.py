@@ -261,7 +261,7 @@ class ChatRenderer:
             probe = [i for i in range(min(PROBE, len(wheres))) if out[i] is not None]
             if probe:
                 conversations = [_messages(flat, i) for i in probe]
-                cuts = [assistant_cuts([m["role"] for m in c]) if spans else [] for c in conversations]
+                cuts = [assistant_cuts(roles[at[i] : at[i + 1]]) if spans else [] for i in probe]
                 texts, found = [out[i][0] for i in probe], [out[i][1] for i in probe]
                 if not self._written_agree(conversations, [wheres[i] for i in probe], cuts, texts, found):
                     self._layouts = None

@@ -158,14 +158,10 @@ class Renderer:
         its layout (``ChatRenderer.write_flat``), as ``(text, spans, False)`` (a rendered row of
         :meth:`batch`); None for a conversation not written so, or whose spans the layout does not
         vouch for: the caller passes it to :meth:`batch`."""
-        if self.data.train_on_prompt:
-            return [
-                None if w is None else (w[0], [(0, len(w[0]))], False)
-                for w in self.chat.write_flat(flat, wheres, False)
-            ]
+        whole = self.data.train_on_prompt
         out: list = []
-        for written in self.chat.write_flat(flat, wheres, True):
-            spans = None if written is None else _spans(written[1])
+        for written in self.chat.write_flat(flat, wheres, not whole):
+            spans = None if written is None else [(0, len(written[0]))] if whole else _spans(written[1])
             out.append(None if spans is None else (written[0], spans, False))
         return out
 
